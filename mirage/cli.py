@@ -1,0 +1,163 @@
+"""mirage: a virtual GPU cluster for PyTorch.
+
+Usage:
+    mirage run [--profile P] [--gpus-per-node N] [--env K=V]... [--workdir DIR]
+               [--clear-env-vars] -- CMD ARGS...
+    mirage profiles [--json]
+    mirage profiles show NAME|PATH [--json]
+
+`mirage run` runs CMD (and every Python process it starts) with N emulated GPUs of profile P
+(default mi350x, N defaults to the profile's GPUs per node). The exit code is the workload's;
+usage errors exit 2, mirage-level errors 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import sys
+from dataclasses import asdict
+
+from mirage import launcher, profiles
+
+
+def _all_flags(parser: argparse.ArgumentParser) -> list[str]:
+    """Every flag of a parser and its subcommands (argparse reports unknown ones at the top)."""
+    flags = []
+    for action in parser._actions:
+        flags.extend(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                flags.extend(_all_flags(sub))
+    return flags
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an unknown flag suggests the closest known one."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if "unrecognized arguments:" in message:
+            bad = message.split(":", 1)[1].split()[0]
+            known = _all_flags(self)
+            close = difflib.get_close_matches(bad.split("=")[0], known, n=1)
+            if close:
+                message += f" (did you mean {close[0]}?)"
+        self.print_usage(sys.stderr)
+        print(f"mirage: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _build_parser() -> _Parser:
+    parser = _Parser(prog="mirage", description=__doc__, allow_abbrev=False,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    run = commands.add_parser("run", help="run a command on emulated GPUs", allow_abbrev=False)
+    run.add_argument("--profile", default=profiles.DEFAULT_PROFILE,
+                     help=f"device profile name or TOML path (default {profiles.DEFAULT_PROFILE})")
+    run.add_argument("--gpus-per-node", type=int, metavar="N",
+                     help="emulated GPUs (default: the profile's GPUs per node)")
+    run.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                     help="set a variable in the workload's environment (repeatable)")
+    run.add_argument("--workdir", metavar="DIR", help="run the command in DIR")
+    run.add_argument("--clear-env-vars", action="store_true",
+                     help="start from an almost empty environment (PATH, HOME, USER, LANG, ...)")
+
+    shown = commands.add_parser("profiles", help="list device profiles", allow_abbrev=False)
+    shown.add_argument("--json", action="store_true", help="print JSON")
+    show_commands = shown.add_subparsers(dest="profiles_command", parser_class=_Parser)
+    show = show_commands.add_parser("show", help="print one profile", allow_abbrev=False)
+    show.add_argument("name", help="profile name or TOML path")
+    show.add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+def _profile_json(profile: profiles.Profile) -> dict:
+    data = asdict(profile)
+    data["path"] = str(profile.path)
+    return data
+
+
+def _print_profiles(as_json: bool) -> int:
+    all_profiles = profiles.load_all()
+    if as_json:
+        print(json.dumps([_profile_json(p) for p in all_profiles], indent=2))
+        return 0
+    header = ("PROFILE", "DEVICE", "ARCH", "MEMORY", "CUs/SMs", "BF16 TFLOP/s", "MEM BW", "GPUs/NODE")
+    rows = [header] + [
+        (p.name + (" (default)" if p.name == profiles.DEFAULT_PROFILE else ""), p.torch_name,
+         p.arch, f"{p.memory_bytes / 2**30:.0f} GiB", str(p.compute_units),
+         f"{p.peak_tflops.get('bf16', 0):g}", f"{p.memory_bandwidth_gbs / 1000:g} TB/s",
+         str(p.gpus_per_node))
+        for p in all_profiles
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def _print_profile(name: str, as_json: bool) -> int:
+    try:
+        profile = profiles.load(name)
+    except profiles.ProfileError as err:
+        if as_json:
+            print(json.dumps({"error": str(err)}), file=sys.stderr)
+        else:
+            print(f"mirage: {err}", file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps(_profile_json(profile), indent=2))
+        return 0
+    for key, value in _profile_json(profile).items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k} {v:g}" for k, v in value.items())
+        print(f"{key:22} {value}")
+    return 0
+
+
+def _split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """Splits `run` arguments at the first `--`; (flags, command or None when no `--`)."""
+    if "--" in argv:
+        at = argv.index("--")
+        return argv[:at], argv[at + 1:]
+    return argv, None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _build_parser()
+    if argv and argv[0] == "run":
+        flags, command = _split_command(argv[1:])
+        if command is None:
+            # A forgotten `--`: the first token that is not a flag or a flag's value.
+            args, rest = parser.parse_known_args(["run", *flags])
+            if rest and not rest[0].startswith("-"):
+                parser.error(f"put `--` before the command: mirage run [flags] -- {' '.join(rest)}")
+            parser.parse_args(["run", *flags])
+            parser.error("no command to run; put it after `--`: mirage run -- python train.py")
+        args = parser.parse_args(["run", *flags])
+        request = launcher.RunRequest(
+            command=command, profile=args.profile, gpus_per_node=args.gpus_per_node,
+            env=args.env, workdir=args.workdir, clear_env=args.clear_env_vars,
+        )
+        try:
+            return launcher.run_session(request)
+        except launcher.UsageError as err:
+            print(f"mirage: error: {err}", file=sys.stderr)
+            return 2
+        except launcher.LaunchError as err:
+            print(f"mirage: {err}", file=sys.stderr)
+            return 1
+    args = parser.parse_args(argv)
+    if args.command == "profiles":
+        if args.profiles_command == "show":
+            return _print_profile(args.name, args.json)
+        return _print_profiles(args.json)
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""The launcher: turns a `mirage run` request into a live session and its exit code.
+
+    CLI (mirage.cli) -> launcher.run_session -> Supervisor (workload processes)
+                                             -> environment.build (what each process sees)
+
+It checks the request before bringing anything up (profile, GPU count, a CPU build of torch),
+builds the device shim if it is not cached, creates the session's private directory, starts
+the workload with the runtime armed, and tears everything down however the run ends.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mirage import profiles
+from mirage.launcher import environment
+from mirage.launcher.supervisor import Supervisor
+from mirage.shim import build as shim_build
+
+MAX_GPUS_PER_NODE = 64
+
+
+class UsageError(Exception):
+    """A request mirage refuses before bringing anything up (exit code 2)."""
+
+
+class LaunchError(Exception):
+    """The session could not come up (exit code 1)."""
+
+
+def narrate(message: str) -> None:
+    """Progress and warnings go to stderr, never stdout (the workload owns stdout)."""
+    print(f"mirage: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class RunRequest:
+    """Everything `mirage run` was asked to do."""
+
+    command: list[str]
+    profile: str = profiles.DEFAULT_PROFILE
+    gpus_per_node: int | None = None
+    env: list[str] = field(default_factory=list)
+    workdir: str | None = None
+    clear_env: bool = False
+
+
+def runtime_root() -> Path:
+    """The per-user directory holding live sessions ($XDG_RUNTIME_DIR/mirage or /tmp)."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(xdg) / "mirage" if xdg and os.access(xdg, os.W_OK) else Path(tempfile.gettempdir()) / f"mirage-{os.getuid()}"
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return base
+
+
+def check_torch_is_cpu_build() -> None:
+    """mirage emulates the GPU inside a CPU build of torch; a CUDA/ROCm build cannot host it."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        raise UsageError(f"torch is not installed for {sys.executable}; install the CPU build: "
+                         "pip install torch==2.13.0")
+    lib = Path(spec.origin).parent / "lib"
+    for gpu_lib in ("libtorch_cuda.so", "libtorch_hip.so"):
+        if (lib / gpu_lib).exists():
+            raise UsageError(f"the torch at {lib.parent} is a GPU build ({gpu_lib}); mirage needs the "
+                             "CPU build: pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu")
+
+
+def ensure_shim() -> Path:
+    """The device shim for the installed torch, built in a clean subprocess if not cached."""
+    path = shim_build.library_path()
+    if path.exists():
+        return path
+    narrate("building the device shim for this torch (first run only, about 30 s)")
+    clean_env = {k: v for k, v in os.environ.items() if not k.startswith("MIRAGE_SHIM")}
+    result = subprocess.run([sys.executable, "-m", "mirage.shim.build"], env=clean_env,
+                            capture_output=True, text=True)
+    if result.returncode != 0 or not path.exists():
+        raise LaunchError("building the device shim failed (a C++ compiler, g++, is needed):\n"
+                          + result.stderr[-4000:])
+    return path
+
+
+def validate(request: RunRequest) -> tuple[profiles.Profile, int]:
+    """Checks the request; returns the profile and the GPU count per node."""
+    if not request.command:
+        raise UsageError("no command to run; put it after `--`: mirage run -- python train.py")
+    try:
+        profile = profiles.load(request.profile)
+    except profiles.ProfileError as err:
+        raise UsageError(str(err)) from None
+    gpus = profile.gpus_per_node if request.gpus_per_node is None else request.gpus_per_node
+    if not 1 <= gpus <= MAX_GPUS_PER_NODE:
+        raise UsageError(f"--gpus-per-node {gpus} is out of range; use 1 to {MAX_GPUS_PER_NODE}")
+    if request.workdir and not Path(request.workdir).is_dir():
+        raise UsageError(f"--workdir {request.workdir} is not a directory")
+    try:
+        environment.parse_assignments(request.env)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    check_torch_is_cpu_build()
+    return profile, gpus
+
+
+def run_session(request: RunRequest) -> int:
+    """Runs the request as one session; returns the exit code for the shell."""
+    profile, gpus = validate(request)
+    session_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+    supervisor = Supervisor(session_id, narrate)
+    supervisor.arm_signals()
+    session_dir = runtime_root() / session_id
+    session_dir.mkdir(mode=0o700)
+    try:
+        shim = ensure_shim()
+        narrate(f"session {session_id} ({gpus} x {profile.torch_name})")
+        env = environment.build(
+            emulator={
+                "MIRAGE_SHIM_PATH": str(shim),
+                "MIRAGE_PROFILE": str(profile.path),
+                "MIRAGE_NUM_GPUS": str(gpus),
+            },
+            user=environment.parse_assignments(request.env),
+            identity={"MIRAGE_SESSION": session_id, "MIRAGE_RUNTIME": str(session_dir)},
+            clear=request.clear_env,
+            warn=narrate,
+        )
+        try:
+            supervisor.start(request.command, env, request.workdir, terminal=True)
+        except FileNotFoundError:
+            narrate(f"command not found: {request.command[0]}")
+            return 127
+        except PermissionError:
+            narrate(f"command is not executable: {request.command[0]}")
+            return 126
+        return supervisor.wait()
+    finally:
+        supervisor.teardown()
+        shutil.rmtree(session_dir, ignore_errors=True)

@@ -1,0 +1,166 @@
+"""Starts the workload processes of a session, forwards signals, and leaves nothing behind.
+
+Each workload process leads its own process group, so a signal reaches everything it started
+(torchrun workers, multiprocessing children) with one killpg. mirage also becomes a child
+subreaper: anything that escapes its group (setsid, double fork) is re-parented to mirage
+and is found at teardown by the MIRAGE_SESSION it carries in its environment.
+
+The interrupt ladder (SIGINT, SIGTERM and SIGHUP all count toward it):
+  1st: forwarded to the workload as the signal that arrived;
+  2nd: SIGTERM to the workload, then SIGKILL after a grace period;
+  3rd: SIGKILL at once.
+SIGUSR1/SIGUSR2 are forwarded and never count. Every step is narrated on stderr.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+TERMINATE_GRACE_SECONDS = 5.0
+_PR_SET_CHILD_SUBREAPER = 36
+LADDER_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+@dataclass
+class Supervisor:
+    """Owns the workload processes of one session, from start to the last reaped child."""
+
+    session_id: str
+    narrate: Callable[[str], None]
+    children: list[subprocess.Popen] = field(default_factory=list)
+    ladder_step: int = 0
+    kill_deadline: float | None = None
+    _terminal_fd: int | None = None
+
+    def arm_signals(self) -> None:
+        """Installs the handlers; called before bring-up so no signal falls through."""
+        for sig in LADDER_SIGNALS:
+            signal.signal(sig, self._on_ladder_signal)
+        for sig in FORWARDED_SIGNALS:
+            signal.signal(sig, self._on_forwarded_signal)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+    def start(self, argv: list[str], env: dict[str, str], cwd: str | None, *, terminal: bool) -> subprocess.Popen:
+        """Starts one workload process in a process group of its own.
+
+        With `terminal`, the process also becomes the terminal's foreground group, so it can
+        read stdin (a REPL works) and Ctrl-C reaches it directly, as without mirage.
+        """
+        child = subprocess.Popen(argv, env=env, cwd=cwd, process_group=0)
+        self.children.append(child)
+        if terminal and sys.stdin.isatty():
+            self._terminal_fd = sys.stdin.fileno()
+            self._hand_terminal_to(child.pid)
+        return child
+
+    def wait(self) -> int:
+        """Waits for every child; returns the first failing exit code (as a shell reports it)."""
+        exit_code = 0
+        pending = list(self.children)
+        while pending:
+            for child in list(pending):
+                if child.poll() is not None:
+                    pending.remove(child)
+                    code = shell_exit_code(child.returncode)
+                    if code and not exit_code:
+                        exit_code = code
+            if pending:
+                if self.kill_deadline is not None and time.monotonic() >= self.kill_deadline:
+                    self.narrate("workload still running after SIGTERM; sending SIGKILL")
+                    self.signal_all(signal.SIGKILL)
+                    self.kill_deadline = None
+                time.sleep(0.05)
+        return exit_code
+
+    def signal_all(self, sig: int) -> None:
+        for child in self.children:
+            try:
+                os.killpg(child.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def teardown(self) -> None:
+        """Kills and reaps whatever the workload left: its groups and any session stragglers."""
+        if self._terminal_fd is not None:
+            self._hand_terminal_to(os.getpgrp())
+        self.signal_all(signal.SIGKILL)
+        for pid in session_processes(self.session_id):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for child in self.children:
+            if child.returncode is None:
+                child.wait()
+        _reap_adopted()
+
+    def _hand_terminal_to(self, pgid: int) -> None:
+        previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+        try:
+            os.tcsetpgrp(self._terminal_fd, pgid)
+        except OSError:
+            pass
+        finally:
+            signal.signal(signal.SIGTTOU, previous)
+
+    def _on_ladder_signal(self, signum: int, _frame) -> None:
+        name = signal.Signals(signum).name
+        self.ladder_step += 1
+        if self.ladder_step == 1:
+            self.narrate(f"received {name}: forwarding it to the workload "
+                         "(again to terminate, a third time to kill)")
+            self.signal_all(signum)
+        elif self.ladder_step == 2:
+            self.narrate(f"received {name} again: terminating the workload "
+                         f"(SIGTERM now, SIGKILL in {TERMINATE_GRACE_SECONDS:g} s)")
+            self.signal_all(signal.SIGTERM)
+            self.kill_deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
+        else:
+            self.narrate(f"received {name} a third time: killing the workload (SIGKILL)")
+            self.signal_all(signal.SIGKILL)
+
+    def _on_forwarded_signal(self, signum: int, _frame) -> None:
+        self.narrate(f"forwarding {signal.Signals(signum).name} to the workload")
+        self.signal_all(signum)
+
+
+def shell_exit_code(returncode: int) -> int:
+    """A child's status as a shell reports it: the code masked to a byte, 128+N for signal N."""
+    return 128 - returncode if returncode < 0 else returncode & 0xFF
+
+
+def session_processes(session_id: str) -> list[int]:
+    """PIDs of live processes that carry MIRAGE_SESSION=<session_id> (excluding this one)."""
+    marker = f"MIRAGE_SESSION={session_id}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def _reap_adopted(timeout: float = 2.0) -> None:
+    """Collects the killed orphans re-parented to us as subreaper, so none stays a zombie."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            time.sleep(0.01)

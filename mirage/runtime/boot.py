@@ -1,0 +1,59 @@
+"""Loads the device shim before torch, then completes torch.cuda once torch is imported.
+
+Torch creates its CUDA hooks object once, during `import torch`, so the shim (which registers
+ours) must be in the process first. A meta-path finder sees `import torch` begin, loads the
+shim with RTLD_GLOBAL, lets the real import run, and then installs the Python half
+(`mirage.runtime.torch_cuda`). Processes that never import torch never load anything.
+
+Environment read (exported by `mirage run`): MIRAGE_SHIM_PATH, MIRAGE_PROFILE (a profile TOML
+path), MIRAGE_NUM_GPUS.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from types import ModuleType
+
+
+def _export_profile_for_shim() -> None:
+    """The shim reads its figures from the environment at load time; derive them here."""
+    from mirage import profiles
+
+    profile = profiles.load(os.environ["MIRAGE_PROFILE"])
+    os.environ["MIRAGE_GPU_MEMORY_BYTES"] = str(profile.memory_bytes)
+    os.environ["MIRAGE_VENDOR"] = profile.vendor
+
+
+class _TorchImportHook(importlib.abc.MetaPathFinder):
+    """Intercepts the first `import torch` of the process."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        _export_profile_for_shim()
+        ctypes.CDLL(os.environ["MIRAGE_SHIM_PATH"], mode=ctypes.RTLD_GLOBAL)
+        run_torch_init = spec.loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            run_torch_init(module)
+            from mirage.runtime import torch_cuda
+
+            torch_cuda.install(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def arm() -> None:
+    """Arms the torch import hook if this process belongs to a mirage session."""
+    if not os.environ.get("MIRAGE_SHIM_PATH") or "torch" in sys.modules:
+        return
+    sys.meta_path.insert(0, _TorchImportHook())

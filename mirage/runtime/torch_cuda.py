@@ -1,0 +1,181 @@
+"""The torch.cuda Python API on top of the device shim.
+
+A CPU build of torch has `torch.cuda` written against `torch._C._cuda_*` bindings that do not
+exist. Most of torch.cuda looks those bindings up at call time, so the cheapest faithful fix
+is to provide them (backed by the generic `torch._C._accelerator_*` API, which reaches the
+shim's device guard and allocator) and leave torch's own Python in charge. Names torch.cuda
+captured at import time (Stream, Event, the device-properties type) are replaced directly.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+from mirage import profiles
+
+# What a ROCm / CUDA build of torch 2.13 reports as its toolkit version.
+_HIP_VERSION = "7.0.51831-a3e329ad8"
+_CUDA_VERSION = "12.8"
+_CUDA_DEVICE_TYPE = 1  # c10::DeviceType::CUDA
+
+
+class DeviceProperties:
+    """What torch.cuda.get_device_properties returns (the fields of torch's own type)."""
+
+    def __init__(self, profile: profiles.Profile, index: int) -> None:
+        self.name = profile.torch_name
+        self.major, self.minor = profile.compute_capability
+        self.total_memory = profile.memory_bytes
+        self.multi_processor_count = profile.compute_units
+        self.is_integrated = False
+        self.is_multi_gpu_board = profile.name == "mi250x"
+        self.max_threads_per_multi_processor = 2048
+        self.warp_size = 64 if profile.is_amd else 32
+        self.regs_per_multiprocessor = 65536
+        self.shared_memory_per_block = 65536 if profile.is_amd else 49152
+        self.L2_cache_size = 4 * 2**20 if profile.is_amd else 50 * 2**20
+        self.clock_rate = int(profile.clock_ghz * 1e6)  # kHz, as CUDA reports it
+        self.gcnArchName = profile.arch if profile.is_amd else "NVIDIA CUDA"
+        self.uuid = f"{index:08x}-6d69-7261-6765-{index:012x}"
+        self.pci_bus_id = index + 1
+        self.pci_device_id = 0
+        self.pci_domain_id = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"_CudaDeviceProperties(name='{self.name}', major={self.major}, minor={self.minor}"
+            + (f", gcnArchName='{self.gcnArchName}'" if self.gcnArchName != "NVIDIA CUDA" else "")
+            + f", total_memory={self.total_memory // 2**20}MB, multi_processor_count="
+            f"{self.multi_processor_count}, uuid={self.uuid}, pci_bus_id={self.pci_bus_id}, "
+            f"pci_device_id={self.pci_device_id}, pci_domain_id={self.pci_domain_id}, "
+            f"L2_cache_size={self.L2_cache_size // 2**20}MB)"
+        )
+
+
+def _make_stream_and_event(torch: ModuleType) -> tuple[type, type]:
+    """torch.cuda.Stream / Event as subclasses of the generic torch.Stream / torch.Event,
+    which the shim's device guard already serves."""
+
+    class Stream(torch.Stream):
+        """A stream on an emulated GPU. Work is synchronous, so every stream is always idle."""
+
+        def __new__(cls, device=None, priority=0, **kwargs):
+            if "stream_id" in kwargs:
+                return super().__new__(cls, priority=priority, **kwargs)
+            index = torch.cuda._utils._get_device_index(device, optional=True)
+            return super().__new__(cls, device=torch.device("cuda", index), priority=priority)
+
+        @property
+        def cuda_stream(self) -> int:
+            return self.stream_id
+
+        def wait_event(self, event) -> None:
+            event.wait(self)
+
+        def wait_stream(self, stream) -> None:
+            self.wait_event(stream.record_event())
+
+        def record_event(self, event=None):
+            event = Event() if event is None else event
+            event.record(self)
+            return event
+
+    class Event(torch.Event):
+        """An event on an emulated GPU: records host time, so elapsed_time is wall time."""
+
+        def __new__(cls, enable_timing=False, blocking=False, interprocess=False, external=False):
+            return super().__new__(
+                cls, device=torch.device("cuda", torch.cuda.current_device()),
+                enable_timing=enable_timing, blocking=blocking, interprocess=interprocess,
+            )
+
+        def record(self, stream=None) -> None:
+            super().record(torch.cuda.current_stream() if stream is None else stream)
+
+        def wait(self, stream=None) -> None:
+            super().wait(torch.cuda.current_stream() if stream is None else stream)
+
+    return Stream, Event
+
+
+def install(torch: ModuleType) -> None:
+    """Completes torch.cuda for the emulated devices. Called once, right after `import torch`."""
+    profile = profiles.load(os.environ["MIRAGE_PROFILE"])
+    count = int(os.environ.get("MIRAGE_NUM_GPUS", "0"))
+    C = torch._C
+    cuda = torch.cuda
+
+    torch.version.hip = _HIP_VERSION if profile.is_amd else None
+    torch.version.cuda = None if profile.is_amd else _CUDA_VERSION
+
+    def stream_tuple(stream) -> tuple[int, int, int]:
+        return (stream.stream_id, stream.device_index, stream.device_type)
+
+    def set_stream(stream_id: int, device_index: int, device_type: int) -> None:
+        C._accelerator_setStream(
+            torch.Stream(stream_id=stream_id, device_index=device_index, device_type=device_type)
+        )
+
+    bindings = {
+        "_cuda_getDeviceCount": lambda: count,
+        "_cuda_getDevice": C._accelerator_getDeviceIndex,
+        "_cuda_setDevice": C._accelerator_setDeviceIndex,
+        "_cuda_exchangeDevice": C._accelerator_exchangeDevice,
+        "_cuda_maybeExchangeDevice": C._accelerator_maybeExchangeDevice,
+        "_cuda_init": lambda: None,
+        "_cuda_isInBadFork": lambda: False,  # host memory survives fork
+        "_cuda_getArchFlags": lambda: profile.arch,
+        "_cuda_getCompiledVersion": lambda: 70051831 if profile.is_amd else 12080,
+        "_cuda_synchronize": lambda: None,
+        "_cuda_emptyCache": lambda: None,
+        "_cuda_memoryStats": C._accelerator_getDeviceStats,
+        "_cuda_resetPeakMemoryStats": C._accelerator_resetPeakStats,
+        "_cuda_resetAccumulatedMemoryStats": C._accelerator_resetAccumulatedStats,
+        "_cuda_getCurrentStream": lambda index: stream_tuple(C._accelerator_getStream(index)),
+        "_cuda_getDefaultStream": lambda index: (0, index, _CUDA_DEVICE_TYPE),
+        "_cuda_setStream": set_stream,
+        "_cuda_canDeviceAccessPeer": lambda a, b: True,
+        "_cuda_get_sync_debug_mode": lambda: 0,
+        "_cuda_set_sync_debug_mode": lambda mode: None,
+    }
+    for name, fn in bindings.items():
+        setattr(C, name, fn)
+
+    properties = [DeviceProperties(profile, i) for i in range(count)]
+    cuda._CudaDeviceProperties = DeviceProperties
+    cuda._get_device_properties = lambda index: properties[index]
+    cuda._exchange_device = C._accelerator_exchangeDevice
+    cuda._maybe_exchange_device = C._accelerator_maybeExchangeDevice
+    cuda.default_generators = tuple(torch.ops.mirage.default_generator(i) for i in range(count))
+    cuda.has_magma = False
+
+    def lazy_init() -> None:
+        """torch's _lazy_init insists on libcudart; ours only replays queued calls (seeds)."""
+        if cuda._initialized or hasattr(cuda._tls, "is_initializing"):
+            return
+        with cuda._initialization_lock:
+            if cuda._initialized:
+                return
+            cuda._tls.is_initializing = True
+            calls = list(cuda._queued_calls)
+            calls.extend(c for c in cuda._lazy_seed_tracker.get_calls() if c)
+            try:
+                for queued_call, _ in calls:
+                    queued_call()
+            finally:
+                del cuda._tls.is_initializing
+            cuda._initialized = True
+
+    cuda._lazy_init = lazy_init
+    cuda.device_count = lambda: count
+
+    def mem_get_info(device=None) -> tuple[int, int]:
+        """Free and total bytes of the device, as cudaMemGetInfo reports them."""
+        return C._accelerator_getMemoryInfo(cuda._utils._get_device_index(device, optional=True))
+
+    cuda.mem_get_info = cuda.memory.mem_get_info = mem_get_info
+
+    Stream, Event = _make_stream_and_event(torch)
+    cuda.Stream = cuda.streams.Stream = Stream
+    cuda.Event = cuda.streams.Event = Event

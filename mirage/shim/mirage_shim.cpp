@@ -1,0 +1,629 @@
+// mirage device shim: gives a CPU-only PyTorch build a `cuda` device whose memory is host
+// memory and whose kernels are PyTorch's own CPU kernels.
+//
+// Loaded with RTLD_GLOBAL before `import torch` (see mirage/runtime/boot.py), because torch
+// creates its CUDA hooks object once, during import. Pieces:
+//   * MirageHooks      - at::CUDAHooksInterface: makes hasCUDA()/isAvailable() true, owns the
+//                        per-device random generators and the pinned-memory allocator.
+//   * MirageGuard      - c10::impl::DeviceGuardImplInterface for CUDA: current device, streams,
+//                        events (all work is synchronous, so events just record host time).
+//   * DeviceAllocator  - host memory labelled Device(CUDA, i), counted against the profile's
+//                        capacity; over capacity raises torch.cuda.OutOfMemoryError.
+//   * boxed fallback   - every other CUDA op: CPU tensors that alias the same memory are handed
+//                        to the CPU kernel (no copies), and the results are re-labelled as CUDA.
+// The fallback is on every tensor operation: keep it lean.
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/resize_native.h>
+#include <ATen/ops/view_native.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/copy.h>
+#include <ATen/native/Resize.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <torch/library.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <unordered_set>
+
+namespace mirage {
+
+using c10::DeviceIndex;
+using c10::DeviceType;
+
+constexpr int kMaxDevices = 64;
+constexpr size_t kHeader = 64;  // keeps user pointers 64-byte aligned, like c10::alloc_cpu
+
+// ---------------------------------------------------------------- configuration (from env)
+
+struct Config {
+  DeviceIndex num_devices = 0;
+  int64_t capacity = 0;      // bytes per device
+  bool amd = true;           // message wording: "HIP out of memory" vs "CUDA out of memory"
+  Config() {
+    if (const char* n = std::getenv("MIRAGE_NUM_GPUS")) num_devices = static_cast<DeviceIndex>(std::atoi(n));
+    if (num_devices < 0 || num_devices > kMaxDevices) num_devices = 0;
+    if (const char* c = std::getenv("MIRAGE_GPU_MEMORY_BYTES")) capacity = std::strtoll(c, nullptr, 10);
+    if (const char* v = std::getenv("MIRAGE_VENDOR")) amd = std::strcmp(v, "nvidia") != 0;
+  }
+};
+static const Config& config() {
+  static Config cfg;
+  return cfg;
+}
+
+// ---------------------------------------------------------------- memory accounting
+
+// Counters for one device. Lock-free so the allocation path never blocks.
+struct DeviceCounters {
+  std::atomic<int64_t> allocated{0};
+  std::atomic<int64_t> peak{0};
+  std::atomic<int64_t> num_allocs{0};
+  std::atomic<int64_t> num_frees{0};
+  std::atomic<int64_t> bytes_allocated_total{0};
+  std::atomic<int64_t> bytes_freed_total{0};
+};
+static std::array<DeviceCounters, kMaxDevices> g_counters;
+
+static std::string format_size(int64_t bytes) {
+  char buf[64];
+  if (bytes < 1024) std::snprintf(buf, sizeof buf, "%lld bytes", static_cast<long long>(bytes));
+  else if (bytes < (1 << 20)) std::snprintf(buf, sizeof buf, "%.2f KiB", bytes / 1024.0);
+  else if (bytes < (1 << 30)) std::snprintf(buf, sizeof buf, "%.2f MiB", bytes / 1048576.0);
+  else std::snprintf(buf, sizeof buf, "%.2f GiB", bytes / 1073741824.0);
+  return buf;
+}
+
+[[noreturn]] static void raise_oom(DeviceIndex dev, int64_t requested, int64_t in_use) {
+  const Config& cfg = config();
+  const char* api = cfg.amd ? "HIP" : "CUDA";
+  int64_t free_bytes = std::max<int64_t>(cfg.capacity - in_use, 0);
+  TORCH_CHECK_WITH(OutOfMemoryError, false,
+      api, " out of memory. Tried to allocate ", format_size(requested), ". GPU ", static_cast<int>(dev),
+      " has a total capacity of ", format_size(cfg.capacity), " of which ", format_size(free_bytes),
+      " is free. Including non-PyTorch memory, this process has ", format_size(in_use),
+      " memory in use. Of the allocated memory ", format_size(in_use),
+      " is allocated by PyTorch, and 0 bytes is reserved by PyTorch but unallocated. If reserved but "
+      "unallocated memory is large try setting PYTORCH_", api,
+      "_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory "
+      "Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)");
+}
+
+// Charges `n` bytes to `dev`; raises OutOfMemoryError (charging nothing) if over capacity.
+static void charge(DeviceIndex dev, int64_t n) {
+  DeviceCounters& c = g_counters[dev];
+  int64_t now = c.allocated.fetch_add(n, std::memory_order_relaxed) + n;
+  if (config().capacity > 0 && now > config().capacity) {
+    c.allocated.fetch_sub(n, std::memory_order_relaxed);
+    raise_oom(dev, n, now - n);
+  }
+  int64_t peak = c.peak.load(std::memory_order_relaxed);
+  while (now > peak && !c.peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  }
+  c.num_allocs.fetch_add(1, std::memory_order_relaxed);
+  c.bytes_allocated_total.fetch_add(n, std::memory_order_relaxed);
+}
+
+static void refund(DeviceIndex dev, int64_t n) {
+  DeviceCounters& c = g_counters[dev];
+  c.allocated.fetch_sub(n, std::memory_order_relaxed);
+  c.num_frees.fetch_add(1, std::memory_order_relaxed);
+  c.bytes_freed_total.fetch_add(n, std::memory_order_relaxed);
+}
+
+// ---------------------------------------------------------------- current device and streams
+
+static thread_local DeviceIndex tl_device = 0;
+static thread_local std::array<c10::StreamId, kMaxDevices> tl_stream{};
+static std::atomic<c10::StreamId> g_next_stream_id{1};
+
+static void check_index(DeviceIndex index) {
+  TORCH_CHECK(index >= 0 && index < config().num_devices, "Invalid device ordinal: cuda:",
+      static_cast<int>(index), " (this emulated node has ", static_cast<int>(config().num_devices),
+      " GPUs)");
+}
+
+// ---------------------------------------------------------------- allocator
+
+// Block layout: [header: nbytes, device][user data...]. The header lets the deleter refund the
+// right device without a side table or an extra allocation.
+struct BlockHeader {
+  int64_t nbytes;
+  DeviceIndex device;
+};
+
+static void free_block(void* base) {
+  auto* h = static_cast<BlockHeader*>(base);
+  refund(h->device, h->nbytes);
+  c10::free_cpu(base);
+}
+
+struct DeviceMemoryAllocator final : c10::DeviceAllocator {
+  DeviceIndex fixed_device = -1;  // -1: the calling thread's current device
+
+  c10::DataPtr allocate(size_t n) override {
+    DeviceIndex dev = fixed_device >= 0 ? fixed_device : tl_device;
+    if (n == 0) return c10::DataPtr(nullptr, c10::Device(DeviceType::CUDA, dev));
+    charge(dev, static_cast<int64_t>(n));
+    void* base = c10::alloc_cpu(n + kHeader);
+    auto* h = static_cast<BlockHeader*>(base);
+    h->nbytes = static_cast<int64_t>(n);
+    h->device = dev;
+    return {static_cast<char*>(base) + kHeader, base, &free_block, c10::Device(DeviceType::CUDA, dev)};
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+  bool initialized() override { return true; }
+  void emptyCache(c10::MempoolId_t) override {}
+  void recordStream(const c10::DataPtr&, c10::Stream) override {}
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(DeviceIndex dev) override {
+    check_index(dev);
+    const DeviceCounters& c = g_counters[dev];
+    c10::CachingDeviceAllocator::DeviceStats s;
+    c10::CachingDeviceAllocator::Stat bytes;
+    bytes.current = c.allocated.load();
+    bytes.peak = c.peak.load();
+    bytes.allocated = c.bytes_allocated_total.load();
+    bytes.freed = c.bytes_freed_total.load();
+    c10::CachingDeviceAllocator::Stat count;
+    count.allocated = c.num_allocs.load();
+    count.freed = c.num_frees.load();
+    count.current = count.allocated - count.freed;
+    count.peak = count.current;
+    // No caching: every allocated byte is reserved, active and requested.
+    for (auto* arr : {&s.allocated_bytes, &s.reserved_bytes, &s.active_bytes, &s.requested_bytes}) (*arr)[0] = bytes;
+    for (auto* arr : {&s.allocation, &s.segment, &s.active}) (*arr)[0] = count;
+    return s;
+  }
+  void resetAccumulatedStats(DeviceIndex dev) override {
+    check_index(dev);
+    g_counters[dev].bytes_allocated_total = 0;
+    g_counters[dev].bytes_freed_total = 0;
+    g_counters[dev].num_allocs = 0;
+    g_counters[dev].num_frees = 0;
+  }
+  void resetPeakStats(DeviceIndex dev) override {
+    check_index(dev);
+    g_counters[dev].peak = g_counters[dev].allocated.load();
+  }
+  std::pair<size_t, size_t> getMemoryInfo(DeviceIndex dev) override {
+    check_index(dev);
+    int64_t cap = config().capacity;
+    return {static_cast<size_t>(std::max<int64_t>(cap - g_counters[dev].allocated.load(), 0)),
+            static_cast<size_t>(cap)};
+  }
+};
+
+static DeviceMemoryAllocator g_current_device_allocator;
+static std::array<DeviceMemoryAllocator, kMaxDevices>& device_allocators() {
+  static std::array<DeviceMemoryAllocator, kMaxDevices> arr = [] {
+    std::array<DeviceMemoryAllocator, kMaxDevices> a;
+    for (int i = 0; i < kMaxDevices; ++i) a[i].fixed_device = static_cast<DeviceIndex>(i);
+    return a;
+  }();
+  return arr;
+}
+REGISTER_ALLOCATOR(DeviceType::CUDA, &g_current_device_allocator);
+
+// Pinned host memory is ordinary host memory; we only remember which pointers were pinned.
+struct PinnedMemoryAllocator final : c10::Allocator {
+  std::mutex mu;
+  std::unordered_set<const void*> live;
+  static void release(void* p);
+  c10::DataPtr allocate(size_t n) override {
+    void* p = c10::alloc_cpu(n == 0 ? 1 : n);
+    {
+      std::lock_guard<std::mutex> g(mu);
+      live.insert(p);
+    }
+    return {p, p, &PinnedMemoryAllocator::release, c10::Device(DeviceType::CPU)};
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+  bool is_pinned(const void* p) {
+    std::lock_guard<std::mutex> g(mu);
+    return live.count(p) != 0;
+  }
+};
+static PinnedMemoryAllocator g_pinned;
+void PinnedMemoryAllocator::release(void* p) {
+  {
+    std::lock_guard<std::mutex> g(g_pinned.mu);
+    g_pinned.live.erase(p);
+  }
+  c10::free_cpu(p);
+}
+
+// ---------------------------------------------------------------- random generators
+
+// One CPU-kind generator per device: the CPU kernels that do the work insist on a CPU
+// generator, and each device must still have a stream of numbers of its own.
+static std::mutex g_gen_mu;
+static std::array<at::Generator, kMaxDevices> g_generators;
+
+static const at::Generator& default_generator(DeviceIndex dev) {
+  check_index(dev);
+  std::lock_guard<std::mutex> g(g_gen_mu);
+  if (!g_generators[dev].defined()) {
+    g_generators[dev] = at::make_generator<at::CPUGeneratorImpl>(c10::default_rng_seed_val);
+  }
+  return g_generators[dev];
+}
+
+// ---------------------------------------------------------------- hooks
+
+struct MirageHooks final : at::CUDAHooksInterface {
+  explicit MirageHooks(at::CUDAHooksArgs) {}
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return config().num_devices > 0; }
+  bool hasCUDA() const override { return config().num_devices > 0; }
+  bool hasPrimaryContext(DeviceIndex) const override { return true; }
+  void init() const override {}
+  DeviceIndex deviceCount() const override { return config().num_devices; }
+  int getNumGPUs() const override { return config().num_devices; }
+  DeviceIndex current_device() const override { return tl_device; }
+  DeviceIndex getCurrentDevice() const override { return tl_device; }
+  void setCurrentDevice(DeviceIndex d) const override {
+    check_index(d);
+    tl_device = d;
+  }
+  DeviceIndex exchangeDevice(DeviceIndex d) const override {
+    DeviceIndex old = tl_device;
+    setCurrentDevice(d);
+    return old;
+  }
+  DeviceIndex maybeExchangeDevice(DeviceIndex d) const override { return exchangeDevice(d); }
+  const at::Generator& getDefaultGenerator(DeviceIndex d) const override {
+    return default_generator(d < 0 ? tl_device : d);
+  }
+  at::Generator getNewGenerator(DeviceIndex) const override {
+    return at::make_generator<at::CPUGeneratorImpl>(c10::default_rng_seed_val);
+  }
+  bool isPinnedPtr(const void* data) const override { return g_pinned.is_pinned(data); }
+  c10::Allocator* getPinnedMemoryAllocator() const override { return &g_pinned; }
+  c10::Allocator* getCUDADeviceAllocator() const override { return &g_current_device_allocator; }
+  c10::Device getDeviceFromPtr(void*) const override { return c10::Device(DeviceType::CUDA, tl_device); }
+  void deviceSynchronize(DeviceIndex) const override {}
+};
+}  // namespace mirage
+
+// C10_REGISTER_TYPED_CLASS must name the registry in namespace at.
+namespace at {
+C10_REGISTER_TYPED_CLASS(CUDAHooksRegistry, "CUDAHooks", mirage::MirageHooks)
+}
+
+namespace mirage {
+
+// ---------------------------------------------------------------- device guard
+
+struct MirageGuard final : c10::impl::DeviceGuardImplInterface {
+  DeviceType type() const override { return DeviceType::CUDA; }
+  c10::Device exchangeDevice(c10::Device d) const override {
+    c10::Device old = getDevice();
+    setDevice(d);
+    return old;
+  }
+  c10::Device getDevice() const override { return {DeviceType::CUDA, tl_device}; }
+  void setDevice(c10::Device d) const override {
+    check_index(d.index());
+    tl_device = d.index();
+  }
+  void uncheckedSetDevice(c10::Device d) const noexcept override { tl_device = d.index(); }
+  c10::Stream getStream(c10::Device d) const override {
+    return c10::Stream(c10::Stream::UNSAFE, d, tl_stream[d.index()]);
+  }
+  c10::Stream getDefaultStream(c10::Device d) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
+  c10::Stream getNewStream(c10::Device d, int) const override {
+    return c10::Stream(c10::Stream::UNSAFE, d, g_next_stream_id++);
+  }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override { return getNewStream(d, 0); }
+  c10::Stream exchangeStream(c10::Stream s) const override {
+    c10::Stream old = getStream(s.device());
+    tl_stream[s.device_index()] = s.id();
+    return old;
+  }
+  DeviceIndex deviceCount() const noexcept override { return config().num_devices; }
+  // Work is synchronous, so an event is just the host time at which it was recorded (ms).
+  void record(void** event, const c10::Stream&, const DeviceIndex, const c10::EventFlag) const override {
+    if (*event == nullptr) *event = new double(0);
+    *static_cast<double*>(*event) =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+  void destroyEvent(void* event, const DeviceIndex) const noexcept override { delete static_cast<double*>(event); }
+  void block(void*, const c10::Stream&) const override {}
+  bool queryEvent(void*) const override { return true; }
+  bool queryStream(const c10::Stream&) const override { return true; }
+  void synchronizeStream(const c10::Stream&) const override {}
+  void synchronizeEvent(void*) const override {}
+  void synchronizeDevice(const DeviceIndex) const override {}
+  void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
+  double elapsedTime(void* start, void* end, const DeviceIndex) const override {
+    TORCH_CHECK(start && end, "Both events must be recorded before calculating elapsed time.");
+    return *static_cast<double*>(end) - *static_cast<double*>(start);
+  }
+};
+C10_REGISTER_GUARD_IMPL(CUDA, MirageGuard);
+
+// ---------------------------------------------------------------- CPU views of device memory
+
+// A CPU tensor over the same bytes as `t` (same geometry, same offset), for CPU kernels.
+// Its storage is resizable with the CPU allocator so that out= kernels may grow it; the
+// fallback notices and moves the grown bytes back into device memory.
+static at::Tensor cpu_alias(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  auto storage = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), s->nbytes(),
+      c10::DataPtr(const_cast<void*>(s->data()), c10::Device(DeviceType::CPU)), c10::GetCPUAllocator(), true);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      c10::Storage(std::move(storage)), c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
+  impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  if (t.is_conj()) impl->_set_conj(true);
+  if (t.is_neg()) impl->_set_neg(true);
+  return at::Tensor(std::move(impl));
+}
+
+// A device tensor with `geometry`'s sizes/strides/offset/dtype on `storage`.
+static at::Tensor on_storage(c10::Storage storage, const at::Tensor& geometry) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CUDA), geometry.dtype());
+  impl->set_sizes_and_strides(geometry.sizes(), geometry.strides(), geometry.storage_offset());
+  if (geometry.is_conj()) impl->_set_conj(true);
+  if (geometry.is_neg()) impl->_set_neg(true);
+  return at::Tensor(std::move(impl));
+}
+
+// Keeps a CPU kernel's result alive as device memory and charges it to the device.
+struct AdoptedBytes {
+  c10::Storage cpu;
+  DeviceIndex device;
+  int64_t nbytes;
+};
+static void release_adopted(void* ctx) {
+  auto* a = static_cast<AdoptedBytes*>(ctx);
+  refund(a->device, a->nbytes);
+  delete a;
+}
+
+// Re-labels the memory of a fresh CPU result as device memory (no copy).
+static c10::Storage adopt_storage(const c10::Storage& cpu, DeviceIndex dev) {
+  int64_t nbytes = static_cast<int64_t>(cpu.nbytes());
+  charge(dev, nbytes);
+  auto* ctx = new AdoptedBytes{cpu, dev, nbytes};
+  c10::DataPtr dp(const_cast<void*>(cpu.data()), ctx, &release_adopted, c10::Device(DeviceType::CUDA, dev));
+  return c10::Storage(c10::make_intrusive<c10::StorageImpl>(
+      c10::StorageImpl::use_byte_size_t(), nbytes, std::move(dp), &device_allocators()[dev], true));
+}
+
+// After a CPU kernel wrote into `alias` (in-place or out=), make `orig` reflect any resize.
+static void sync_back(const at::Tensor& orig, const at::Tensor& alias) {
+  c10::StorageImpl* os = orig.storage().unsafeGetStorageImpl();
+  c10::StorageImpl* as = alias.storage().unsafeGetStorageImpl();
+  if (as->data() != os->data() || as->nbytes() != os->nbytes()) {
+    c10::DataPtr dp = device_allocators()[orig.device().index()].allocate(as->nbytes());
+    if (as->nbytes()) std::memcpy(dp.get(), as->data(), as->nbytes());
+    os->set_data_ptr_noswap(std::move(dp));
+    os->set_nbytes(as->nbytes());
+  }
+  if (alias.sizes() != orig.sizes() || alias.strides() != orig.strides() ||
+      alias.storage_offset() != orig.storage_offset()) {
+    orig.unsafeGetTensorImpl()->set_sizes_and_strides(alias.sizes(), alias.strides(), alias.storage_offset());
+  }
+}
+
+// ---------------------------------------------------------------- the boxed fallback
+
+struct Aliased {
+  at::Tensor orig;
+  at::Tensor alias;
+};
+
+[[noreturn]] static void device_mismatch(const c10::Device& a, const c10::Device& b, const c10::OperatorHandle& op) {
+  TORCH_CHECK(false, "Expected all tensors to be on the same device, but found at least two devices, ", a,
+      " and ", b, "! (when checking argument for ", op.schema().name(), ")");
+}
+
+static void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  const auto& args = op.schema().arguments();
+  const size_t num_args = args.size();
+  const size_t base = stack->size() - num_args;
+  c10::SmallVector<Aliased, 8> aliased;
+  DeviceIndex target = -1;
+  bool has_cpu_tensor = false;
+  c10::Device cpu_device(DeviceType::CPU);
+
+  // Replaces a device tensor with its CPU alias; checks device agreement as PyTorch does.
+  auto convert = [&](const at::Tensor& t, bool allow_cpu) -> at::Tensor {
+    if (!t.defined()) return t;
+    if (t.device().type() != DeviceType::CUDA) {
+      if (!allow_cpu && t.dim() > 0) {
+        if (target >= 0) device_mismatch(c10::Device(DeviceType::CUDA, target), t.device(), op);
+        has_cpu_tensor = true;
+      }
+      return t;
+    }
+    DeviceIndex d = t.device().index();
+    if (target < 0) {
+      if (has_cpu_tensor) device_mismatch(t.device(), cpu_device, op);
+      target = d;
+    } else if (d != target) {
+      device_mismatch(c10::Device(DeviceType::CUDA, target), t.device(), op);
+    }
+    at::Tensor a = cpu_alias(t);
+    aliased.push_back({t, a});
+    return a;
+  };
+
+  c10::SmallVector<size_t, 2> generator_slots;
+  for (size_t i = 0; i < num_args; ++i) {
+    c10::IValue& iv = (*stack)[base + i];
+    if (iv.isTensor()) {
+      iv = convert(iv.toTensor(), false);
+    } else if (iv.isTensorList()) {
+      auto list = iv.toTensorList();
+      for (size_t j = 0; j < list.size(); ++j) list[j] = convert(list[j], false);
+      iv = std::move(list);
+    } else if (iv.isOptionalTensorList()) {
+      // Index lists: real CUDA accepts CPU index tensors here.
+      auto list = iv.toOptionalTensorList();
+      for (size_t j = 0; j < list.size(); ++j) {
+        std::optional<at::Tensor> e = list[j];
+        if (e.has_value()) list[j] = convert(*e, true);
+      }
+      iv = std::move(list);
+    } else if (iv.isDevice()) {
+      c10::Device d = iv.toDevice();
+      if (d.is_cuda()) {
+        if (target < 0) target = d.has_index() ? d.index() : tl_device;
+        iv = c10::IValue(cpu_device);
+      }
+    } else if (iv.isNone() && args[i].type()->kind() == c10::TypeKind::OptionalType &&
+               args[i].type()->containedType(0)->kind() == c10::TypeKind::GeneratorType) {
+      generator_slots.push_back(i);
+    }
+  }
+  if (target < 0) target = tl_device;
+  for (size_t i : generator_slots) (*stack)[base + i] = c10::IValue(default_generator(target));
+
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+
+  // Writes (in-place / out=) may have resized an alias: carry that back to the device tensor.
+  if (!aliased.empty() && op.schema().is_mutable()) {
+    for (auto& a : aliased) sync_back(a.orig, a.alias);
+  }
+
+  // Map results: an alias itself -> the original; a view of an alias -> a view of the original
+  // storage; anything else is fresh CPU memory, re-labelled as memory of the target device.
+  c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 2> adopted;
+  auto map_back = [&](const at::Tensor& out) -> at::Tensor {
+    if (!out.defined() || out.device().type() != DeviceType::CPU || out.layout() != c10::kStrided) return out;
+    c10::StorageImpl* s = out.storage().unsafeGetStorageImpl();
+    for (auto& a : aliased) {
+      if (a.alias.unsafeGetTensorImpl() == out.unsafeGetTensorImpl()) return a.orig;
+    }
+    for (auto& a : aliased) {
+      if (a.alias.storage().unsafeGetStorageImpl() == s) return on_storage(a.orig.storage(), out);
+    }
+    for (auto& p : adopted) {
+      if (p.first == s) return on_storage(p.second, out);
+    }
+    adopted.emplace_back(s, adopt_storage(out.storage(), target));
+    return on_storage(adopted.back().second, out);
+  };
+  const size_t num_returns = op.schema().returns().size();
+  const size_t ret_base = stack->size() - num_returns;
+  for (size_t i = 0; i < num_returns; ++i) {
+    c10::IValue& iv = (*stack)[ret_base + i];
+    if (iv.isTensor()) {
+      iv = map_back(iv.toTensor());
+    } else if (iv.isTensorList()) {
+      auto list = iv.toTensorList();
+      for (size_t j = 0; j < list.size(); ++j) list[j] = map_back(list[j]);
+      iv = std::move(list);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- explicit kernels
+
+static DeviceIndex index_of(std::optional<c10::Device> device) {
+  DeviceIndex d = (device && device->has_index()) ? device->index() : tl_device;
+  check_index(d);
+  return d;
+}
+
+static at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<at::ScalarType> dtype,
+    std::optional<at::Layout>, std::optional<c10::Device> device, std::optional<bool>,
+    std::optional<at::MemoryFormat> memory_format) {
+  return at::detail::empty_generic(size, &device_allocators()[index_of(device)],
+      c10::DispatchKeySet(c10::DispatchKey::CUDA), c10::dtype_or_default(dtype), memory_format);
+}
+
+static at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
+    std::optional<at::ScalarType> dtype, std::optional<at::Layout>, std::optional<c10::Device> device,
+    std::optional<bool>) {
+  return at::detail::empty_strided_generic(size, stride, &device_allocators()[index_of(device)],
+      c10::DispatchKeySet(c10::DispatchKey::CUDA), c10::dtype_or_default(dtype));
+}
+
+// Any direction between host and device, or between devices: the bytes are all host memory.
+static at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool) {
+  at::Tensor dst_cpu = self.is_cuda() ? cpu_alias(self) : self;
+  at::Tensor src_cpu = src.is_cuda() ? cpu_alias(src) : src;
+  at::_ops::copy_::redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), dst_cpu, src_cpu, false);
+  return self;
+}
+
+static at::Tensor& set_storage(at::Tensor& self, c10::Storage source, c10::SymInt offset,
+    c10::SymIntArrayRef size, c10::SymIntArrayRef stride) {
+  auto* impl = self.unsafeGetTensorImpl();
+  if (!impl->storage().is_alias_of(source)) impl->set_storage_keep_dtype(std::move(source));
+  impl->set_sizes_and_strides(C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride),
+      offset.expect_int());
+  return self;
+}
+
+static at::Tensor& set_source_tensor(at::Tensor& self, const at::Tensor& source) {
+  auto* impl = self.unsafeGetTensorImpl();
+  if (self.unsafeGetTensorImpl() != source.unsafeGetTensorImpl()) {
+    impl->set_storage_keep_dtype(source.storage());
+    impl->set_sizes_and_strides(source.sizes(), source.strides(), source.storage_offset());
+  }
+  return self;
+}
+
+static at::Tensor& set_empty(at::Tensor& self) {
+  c10::Storage empty(c10::Storage::use_byte_size_t(), 0, &device_allocators()[self.device().index()], true);
+  self.unsafeGetTensorImpl()->set_storage_keep_dtype(std::move(empty));
+  self.unsafeGetTensorImpl()->set_sizes_contiguous({0});
+  return self;
+}
+
+// Bernoulli dropout with the device's own generator (the CPU kernel would draw from the CPU's).
+static std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, double p, std::optional<bool> train) {
+  if (input.numel() == 0 || (train.has_value() && !*train) || p == 0) {
+    return {input.clone(), at::ones_like(input, input.options().dtype(at::kBool))};
+  }
+  if (p == 1) return {at::zeros_like(input), at::zeros_like(input, input.options().dtype(at::kBool))};
+  at::Tensor mask = at::empty_like(input).bernoulli_(1 - p, default_generator(input.device().index()));
+  at::Tensor out = input.mul(mask).mul_(1.0 / (1 - p));
+  return {out, mask.to(at::kBool)};
+}
+
+}  // namespace mirage
+
+TORCH_LIBRARY_IMPL(_, CUDA, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&mirage::fallback>());
+}
+
+TORCH_LIBRARY_IMPL(aten, CUDA, m) {
+  m.impl("empty.memory_format", TORCH_FN(mirage::empty_memory_format));
+  m.impl("empty_strided", TORCH_FN(mirage::empty_strided));
+  m.impl("as_strided", TORCH_FN(at::native::as_strided_tensorimpl));
+  m.impl("view", TORCH_FN(at::native::view));
+  m.impl("_reshape_alias", TORCH_FN(at::native::_reshape_alias));
+  m.impl("resize_", TORCH_FN(at::native::resize_));
+  m.impl("copy_", TORCH_FN(mirage::copy_));
+  m.impl("set_.source_Storage_storage_offset", TORCH_FN(mirage::set_storage));
+  m.impl("set_.source_Tensor", TORCH_FN(mirage::set_source_tensor));
+  m.impl("set_", TORCH_FN(mirage::set_empty));
+  m.impl("native_dropout", TORCH_FN(mirage::native_dropout));
+}
+
+// The Python side asks for each device's default generator (torch.cuda.default_generators).
+TORCH_LIBRARY(mirage, m) {
+  m.def("default_generator(int device) -> Generator?", [](int64_t device) {
+    return mirage::default_generator(static_cast<c10::DeviceIndex>(device));
+  });
+}
