@@ -81,22 +81,60 @@ def _make_stream_and_event(torch: ModuleType) -> tuple[type, type]:
             event.record(self)
             return event
 
-    class Event(torch.Event):
-        """An event on an emulated GPU: records host time, so elapsed_time is wall time."""
+    class Event:
+        """An event on an emulated GPU: records host time, so elapsed_time is wall time.
 
-        def __new__(cls, enable_timing=False, blocking=False, interprocess=False, external=False):
-            return super().__new__(
-                cls, device=torch.device("cuda", torch.cuda.current_device()),
+        Wraps a generic torch.Event rather than subclassing it: torch.Event.elapsed_time
+        accepts only exact torch.Event instances."""
+
+        def __init__(self, enable_timing=False, blocking=False, interprocess=False, external=False):
+            self._event = torch.Event(
+                device=torch.device("cuda", torch.cuda.current_device()),
                 enable_timing=enable_timing, blocking=blocking, interprocess=interprocess,
             )
 
+        @property
+        def device(self):
+            return self._event.device
+
         def record(self, stream=None) -> None:
-            super().record(torch.cuda.current_stream() if stream is None else stream)
+            self._event.record(torch.cuda.current_stream() if stream is None else stream)
 
         def wait(self, stream=None) -> None:
-            super().wait(torch.cuda.current_stream() if stream is None else stream)
+            self._event.wait(torch.cuda.current_stream() if stream is None else stream)
+
+        def query(self) -> bool:
+            return self._event.query()
+
+        def synchronize(self) -> None:
+            self._event.synchronize()
+
+        def elapsed_time(self, end_event) -> float:
+            return self._event.elapsed_time(end_event._event)
 
     return Stream, Event
+
+
+def _allow_device_storages(torch: ModuleType) -> None:
+    """`torch.UntypedStorage(n, device="cuda")` is refused by a CPU build's C++ constructor;
+    storage.cuda(), storage.to() and checkpoint loading all call it. Build the storage from
+    a device tensor instead (same allocator, same accounting)."""
+    storage_class = torch.UntypedStorage
+    base_new = storage_class.__new__
+
+    def new(cls, *args, device=None, **kwargs):
+        if device is not None and torch.device(device).type == "cuda":
+            content = args[0] if args else 0
+            if isinstance(content, int):
+                tensor = torch.empty(content, dtype=torch.uint8, device=device)
+            else:
+                tensor = torch.tensor(list(content), dtype=torch.uint8, device=device)
+            return tensor.untyped_storage()
+        if device is not None:
+            kwargs["device"] = device
+        return base_new(cls, *args, **kwargs)
+
+    storage_class.__new__ = new
 
 
 def install(torch: ModuleType) -> None:
@@ -175,6 +213,8 @@ def install(torch: ModuleType) -> None:
         return C._accelerator_getMemoryInfo(cuda._utils._get_device_index(device, optional=True))
 
     cuda.mem_get_info = cuda.memory.mem_get_info = mem_get_info
+
+    _allow_device_storages(torch)
 
     Stream, Event = _make_stream_and_event(torch)
     cuda.Stream = cuda.streams.Stream = Stream

@@ -574,6 +574,15 @@ static at::Tensor& set_storage(at::Tensor& self, c10::Storage source, c10::SymIn
   return self;
 }
 
+static at::Tensor& set_whole_storage(at::Tensor& self, c10::Storage source) {
+  int64_t numel = static_cast<int64_t>(source.nbytes() / self.dtype().itemsize());
+  auto* impl = self.unsafeGetTensorImpl();
+  impl->set_storage_keep_dtype(std::move(source));
+  impl->set_storage_offset(0);
+  impl->set_sizes_contiguous({numel});
+  return self;
+}
+
 static at::Tensor& set_source_tensor(at::Tensor& self, const at::Tensor& source) {
   auto* impl = self.unsafeGetTensorImpl();
   if (self.unsafeGetTensorImpl() != source.unsafeGetTensorImpl()) {
@@ -616,6 +625,7 @@ TORCH_LIBRARY_IMPL(aten, CUDA, m) {
   m.impl("resize_", TORCH_FN(at::native::resize_));
   m.impl("copy_", TORCH_FN(mirage::copy_));
   m.impl("set_.source_Storage_storage_offset", TORCH_FN(mirage::set_storage));
+  m.impl("set_.source_Storage", TORCH_FN(mirage::set_whole_storage));
   m.impl("set_.source_Tensor", TORCH_FN(mirage::set_source_tensor));
   m.impl("set_", TORCH_FN(mirage::set_empty));
   m.impl("native_dropout", TORCH_FN(mirage::native_dropout));

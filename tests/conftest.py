@@ -1,0 +1,33 @@
+"""Shared helpers for the host-side tests (those that start `mirage run` themselves).
+
+Tests under tests/emulated/ are different: they run *inside* an emulated session (see
+test_emulated_suite.py), so the host-side collection skips them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+if not os.environ.get("MIRAGE_SESSION"):
+    collect_ignore = ["emulated"]
+
+
+def mirage(*args: str, timeout: float = 600, input: str | None = None,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Runs `python -m mirage ARGS...` from the repository root and captures its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "mirage", *args], cwd=REPO, capture_output=True, text=True,
+        timeout=timeout, input=input, env=env,
+    )
+
+
+@pytest.fixture
+def run_mirage():
+    return mirage

@@ -1,0 +1,29 @@
+"""Runs tests/emulated inside `mirage run --gpus-per-node 4`: the torch.cuda API as a GPU
+script sees it. Each inner test is listed in this test's output."""
+
+from conftest import mirage
+
+
+def test_torch_cuda_api_inside_an_emulated_session():
+    result = mirage("run", "--gpus-per-node", "4", "--", "python", "-m", "pytest", "-q", "-p",
+                    "no:cacheprovider", "tests/emulated")
+    print(result.stdout[-5000:], result.stderr[-3000:])
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout
+
+
+def test_nvidia_profile_presents_a_cuda_build():
+    script = ("import torch; p = torch.cuda.get_device_properties(0); "
+              "print(torch.version.cuda, torch.version.hip, p.name, p.major, p.minor, "
+              "torch.cuda.device_count())")
+    result = mirage("run", "--profile", "h100", "--gpus-per-node", "2", "--", "python", "-c", script)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["12.8", "None", "NVIDIA", "H100", "80GB", "HBM3", "9", "0", "2"]
+
+
+def test_out_of_memory_names_cuda_on_nvidia_profiles():
+    script = ("import torch\n"
+              "try: torch.empty(2**40, dtype=torch.uint8, device='cuda')\n"
+              "except torch.cuda.OutOfMemoryError as e: print(str(e).split('.')[0])\n")
+    result = mirage("run", "--profile", "a100", "--gpus-per-node", "1", "--", "python", "-c", script)
+    assert result.stdout.strip() == "CUDA out of memory"

@@ -1,0 +1,71 @@
+"""Device profiles: the shipped data, user files, validation, and the `mirage profiles` CLI."""
+
+import json
+
+import pytest
+
+from conftest import mirage
+from mirage import profiles
+
+EXPECTED = {"mi300x", "mi325x", "mi350x", "mi355x", "mi250x", "h100", "h200", "a100", "b200"}
+
+
+def test_every_shipped_profile_loads_with_design_figures():
+    loaded = {p.name: p for p in profiles.load_all()}
+    assert set(loaded) == EXPECTED
+    assert loaded["mi350x"].torch_name == "AMD Instinct MI350X"
+    assert loaded["mi350x"].arch == "gfx950" and loaded["mi350x"].compute_units == 256
+    assert loaded["mi300x"].peak_tflops["bf16"] == 1307.4
+    assert loaded["h100"].compute_capability == (9, 0) and loaded["h100"].vendor == "nvidia"
+    assert loaded["b200"].link_bandwidth_gbs == 1800
+    assert all(p.gpus_per_node == 8 for p in loaded.values())
+
+
+def test_user_profile_file_is_validated_naming_the_field(tmp_path):
+    good = (profiles.DATA_DIR / "h100.toml").read_text()
+    path = tmp_path / "mine.toml"
+    path.write_text(good.replace('name = "h100"', 'name = "mine"'))
+    assert profiles.load(str(path)).name == "mine"
+    path.write_text(good.replace("compute_units = 132", 'compute_units = "lots"'))
+    with pytest.raises(profiles.ProfileError, match="field 'compute_units'"):
+        profiles.load(str(path))
+    path.write_text(good.replace('vendor = "nvidia"', 'vendor = "intel"'))
+    with pytest.raises(profiles.ProfileError, match="field 'vendor'"):
+        profiles.load(str(path))
+    path.write_text("surprise = 1\n" + good)
+    with pytest.raises(profiles.ProfileError, match="unknown field 'surprise'"):
+        profiles.load(str(path))
+
+
+def test_unknown_profile_lists_the_choices():
+    with pytest.raises(profiles.ProfileError, match="unknown profile 'mi999'.*mi350x"):
+        profiles.load("mi999")
+
+
+def test_profiles_command_table_and_json():
+    table = mirage("profiles")
+    assert table.returncode == 0
+    lines = table.stdout.splitlines()
+    assert lines[0].split()[:3] == ["PROFILE", "DEVICE", "ARCH"]
+    assert any(line.startswith("mi350x (default)") for line in lines)
+    assert len(lines) == 1 + len(EXPECTED)
+    as_json = json.loads(mirage("profiles", "--json").stdout)
+    assert {p["name"] for p in as_json} == EXPECTED
+    one = json.loads(mirage("profiles", "show", "mi300x", "--json").stdout)
+    assert one["memory_bytes"] == 205822885888
+    shown = mirage("profiles", "show", "h200")
+    assert "NVIDIA H200" in shown.stdout
+    missing = mirage("profiles", "show", "nope")
+    assert missing.returncode == 1 and "unknown profile 'nope'" in missing.stderr
+
+
+def test_run_with_a_user_profile_file(tmp_path):
+    path = tmp_path / "tiny.toml"
+    text = (profiles.DATA_DIR / "mi300x.toml").read_text()
+    path.write_text(text.replace('torch_name = "AMD Instinct MI300X"', 'torch_name = "Tiny GPU"')
+                    .replace("memory_bytes = 205822885888", "memory_bytes = 1048576"))
+    script = ("import torch\nprint(torch.cuda.get_device_name(0))\n"
+              "try: torch.empty(2**21, dtype=torch.uint8, device='cuda')\n"
+              "except torch.cuda.OutOfMemoryError: print('oom')\n")
+    result = mirage("run", "--profile", str(path), "--gpus-per-node", "1", "--", "python", "-c", script)
+    assert result.stdout.split("\n")[:2] == ["Tiny GPU", "oom"], result.stderr
