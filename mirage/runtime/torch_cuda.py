@@ -173,6 +173,7 @@ def install(torch: ModuleType) -> None:
         "_cuda_getCurrentStream": lambda index: stream_tuple(C._accelerator_getStream(index)),
         "_cuda_getDefaultStream": lambda index: (0, index, _CUDA_DEVICE_TYPE),
         "_cuda_setStream": set_stream,
+        "_cuda_getCurrentRawStream": lambda index: C._accelerator_getStream(index).stream_id,
         "_cuda_canDeviceAccessPeer": lambda a, b: True,
         "_cuda_get_sync_debug_mode": lambda: 0,
         "_cuda_set_sync_debug_mode": lambda mode: None,

@@ -631,6 +631,28 @@ TORCH_LIBRARY_IMPL(aten, CUDA, m) {
   m.impl("native_dropout", TORCH_FN(mirage::native_dropout));
 }
 
+namespace mirage {
+// Ops with a CPU kernel but no CUDA kernel would otherwise reach CUDA through a
+// CompositeExplicitAutogradNonFunctional "default backend kernel" (a functional wrapper around
+// the out= variant), which behaves differently from the CPU path (extra out= resizes, warnings).
+// Give every such aten op the fallback explicitly, so CUDA runs exactly the CPU kernel.
+static const int g_register_cpu_twins = [] {
+  static torch::Library lib(torch::Library::IMPL, "aten", c10::DispatchKey::CUDA, __FILE__, __LINE__);
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0) continue;
+    auto op = dispatcher.findOp(name);
+    if (!op || !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
+        op->hasKernelForDispatchKey(c10::DispatchKey::CUDA)) {
+      continue;
+    }
+    std::string qualified = name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name);
+    lib.impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  }
+  return 0;
+}();
+}  // namespace mirage
+
 // The Python side asks for each device's default generator (torch.cuda.default_generators).
 TORCH_LIBRARY(mirage, m) {
   m.def("default_generator(int device) -> Generator?", [](int64_t device) {

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Creates the virtual environment mirage runs in (idempotent): the CPU build of torch 2.13.0,
+# mirage itself (editable) and the test dependencies. VENV (default .venv) names it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "==> creating $VENV with $PYTHON" >&2
+  "$PYTHON" -m venv "$VENV"
+fi
+if ! "$VENV/bin/python" -c "import torch, mirage, pytest" >/dev/null 2>&1; then
+  echo "==> installing torch==2.13.0 (CPU build), mirage and test dependencies into $VENV" >&2
+  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
+  # The CPU build: mirage emulates the GPU; a CUDA build of torch cannot host it.
+  "$VENV/bin/python" -m pip install -q torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu
+  "$VENV/bin/python" -m pip install -q -e ".[test]"
+fi

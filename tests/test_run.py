@@ -1,0 +1,127 @@
+"""`mirage run`: usage errors, exit codes, environment layering, signals, no leftovers."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, mirage
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpus-per-node", "0", "--", "python"], "--gpus-per-node 0 is out of range; use 1 to 64"),
+    (["--gpus-per-node", "65", "--", "python"], "out of range"),
+    (["--profile", "mi999", "--", "python"], "unknown profile 'mi999'"),
+    (["--"], "no command to run"),
+    ([], "no command to run"),
+    (["python", "train.py"], "put `--` before the command"),
+    (["--profil", "h100", "--", "python"], "did you mean --profile?"),
+    (["--env", "NOEQUALS", "--", "python"], "is not KEY=VALUE"),
+])
+def test_usage_errors_exit_2_with_one_clear_line(args, message):
+    result = mirage("run", *args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_exit_code_is_the_workloads():
+    assert mirage("run", "--", "sh", "-c", "exit 7").returncode == 7
+    assert mirage("run", "--", "sh", "-c", "kill -TERM $$").returncode == 128 + signal.SIGTERM
+    missing = mirage("run", "--", "no-such-program-xyz")
+    assert missing.returncode == 127 and "command not found" in missing.stderr
+
+
+def test_environment_layers_and_identity_cannot_be_overridden(tmp_path):
+    script = ("import os; print(os.environ.get('FOO'), os.environ['MIRAGE_NUM_GPUS'], "
+              "os.environ['MIRAGE_SESSION'] != 'x', os.environ['PYTHONPATH'].endswith('caller'), "
+              "os.getcwd(), os.environ.get('KEEP_ME'))")
+    env = dict(os.environ, PYTHONPATH="caller", KEEP_ME="yes")
+    result = mirage("run", "--gpus-per-node", "3", "--env", "FOO=bar", "--env", "MIRAGE_SESSION=x",
+                    "--workdir", str(tmp_path), "--", "python", "-c", script, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["bar", "3", "True", "True", str(tmp_path), "yes"]
+    assert "--env MIRAGE_SESSION ignored" in result.stderr
+    cleared = mirage("run", "--clear-env-vars", "--", "python", "-c", script, env=env)
+    assert cleared.stdout.split()[-1] == "None"
+
+
+def test_session_id_on_stderr_and_stdout_is_the_workloads():
+    result = mirage("run", "--", "python", "-c", "print('hello')")
+    assert result.stdout == "hello\n"
+    assert "mirage: session " in result.stderr
+
+
+def test_stdin_reaches_a_single_process_job():
+    result = mirage("run", "--", "python", "-c", "import sys; print(sys.stdin.read().upper())", input="abc")
+    assert result.stdout.strip() == "ABC"
+
+
+def test_children_of_the_workload_get_the_emulated_devices():
+    script = ("import subprocess, sys; subprocess.run([sys.executable, '-c', "
+              "'import torch; print(torch.cuda.device_count(), torch.randn(2, device=\"cuda:1\").device)'])")
+    result = mirage("run", "--gpus-per-node", "2", "--", "python", "-c", script)
+    assert result.stdout.strip() == "2 cuda:1", result.stderr
+
+
+def _start(script: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "mirage", "run", "--", "python", "-c", script],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _session_leftovers(session: str) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    pids = []
+    for line in out.splitlines():
+        pid = line.split()[0]
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"MIRAGE_SESSION={session}".encode() in f.read():
+                    pids.append(line)
+        except OSError:
+            pass
+    return pids
+
+
+IGNORES_SIGINT = (
+    "import signal, subprocess, sys, time\n"
+    "signal.signal(signal.SIGINT, lambda *a: print('got SIGINT', flush=True))\n"
+    "signal.signal(signal.SIGUSR1, lambda *a: print('got SIGUSR1', flush=True))\n"
+    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+    "print('ready', flush=True)\n"
+    "while True: time.sleep(0.1)\n"
+)
+
+
+def test_interrupt_ladder_forwards_then_terminates_and_leaves_nothing():
+    proc = _start(IGNORES_SIGINT)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGUSR1)
+    assert proc.stdout.readline().strip() == "got SIGUSR1"
+    proc.send_signal(signal.SIGINT)
+    assert proc.stdout.readline().strip() == "got SIGINT"  # forwarded, and ignored
+    time.sleep(0.3)
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGINT)  # second: SIGTERM
+    code = proc.wait(timeout=30)
+    stderr = proc.stderr.read()
+    assert code == 128 + signal.SIGTERM
+    assert "forwarding SIGUSR1" in stderr
+    assert "received SIGINT: forwarding it to the workload" in stderr
+    assert "received SIGINT again: terminating the workload" in stderr
+    session = stderr.split("mirage: session ")[1].split()[0]
+    assert _session_leftovers(session) == []
+
+
+def test_third_signal_kills_outright():
+    proc = _start("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                  "signal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(600)")
+    assert proc.stdout.readline().strip() == "ready"
+    for _ in range(3):
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+    assert proc.wait(timeout=30) == 128 + signal.SIGKILL
+    assert "a third time: killing the workload" in proc.stderr.read()
