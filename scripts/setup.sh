@@ -13,6 +13,6 @@ if ! "$VENV/bin/python" -c "import torch, mirage, pytest" >/dev/null 2>&1; then
   echo "==> installing torch==2.13.0 (CPU build), mirage and test dependencies into $VENV" >&2
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
   # The CPU build: mirage emulates the GPU; a CUDA build of torch cannot host it.
-  "$VENV/bin/python" -m pip install -q torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu
+  "$VENV/bin/python" -m pip install -q torch==2.13.0
   "$VENV/bin/python" -m pip install -q -e ".[test]"
 fi

@@ -13,6 +13,7 @@ import os
 from types import ModuleType
 
 from mirage import profiles
+from mirage.runtime import distributed
 
 # What a ROCm / CUDA build of torch 2.13 reports as its toolkit version.
 _HIP_VERSION = "7.0.51831-a3e329ad8"
@@ -220,3 +221,5 @@ def install(torch: ModuleType) -> None:
     Stream, Event = _make_stream_and_event(torch)
     cuda.Stream = cuda.streams.Stream = Stream
     cuda.Event = cuda.streams.Event = Event
+
+    distributed.install(torch)

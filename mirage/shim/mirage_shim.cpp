@@ -482,6 +482,16 @@ static void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::
         if (e.has_value()) list[j] = convert(*e, true);
       }
       iv = std::move(list);
+    } else if (iv.isList()) {
+      // Tensor[][] (c10d's allgather / reduce_scatter outputs).
+      auto outer = iv.toList();
+      for (size_t j = 0; j < outer.size(); ++j) {
+        c10::IValue inner = outer.get(j);
+        if (!inner.isTensorList()) break;
+        auto list = inner.toTensorList();
+        for (size_t k = 0; k < list.size(); ++k) list[k] = convert(list[k], false);
+        outer.set(j, std::move(list));
+      }
     } else if (iv.isDevice()) {
       c10::Device d = iv.toDevice();
       if (d.is_cuda()) {
@@ -531,6 +541,15 @@ static void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::
       auto list = iv.toTensorList();
       for (size_t j = 0; j < list.size(); ++j) list[j] = map_back(list[j]);
       iv = std::move(list);
+    } else if (iv.isList()) {
+      auto outer = iv.toList();
+      for (size_t j = 0; j < outer.size(); ++j) {
+        c10::IValue inner = outer.get(j);
+        if (!inner.isTensorList()) break;
+        auto list = inner.toTensorList();
+        for (size_t k = 0; k < list.size(); ++k) list[k] = map_back(list[k]);
+        outer.set(j, std::move(list));
+      }
     }
   }
 }
@@ -632,22 +651,31 @@ TORCH_LIBRARY_IMPL(aten, CUDA, m) {
 }
 
 namespace mirage {
-// Ops with a CPU kernel but no CUDA kernel would otherwise reach CUDA through a
+// Aten ops with a CPU kernel but no CUDA kernel would otherwise reach CUDA through a
 // CompositeExplicitAutogradNonFunctional "default backend kernel" (a functional wrapper around
 // the out= variant), which behaves differently from the CPU path (extra out= resizes, warnings).
 // Give every such aten op the fallback explicitly, so CUDA runs exactly the CPU kernel.
 static const int g_register_cpu_twins = [] {
-  static torch::Library lib(torch::Library::IMPL, "aten", c10::DispatchKey::CUDA, __FILE__, __LINE__);
+  static torch::Library aten(torch::Library::IMPL, "aten", c10::DispatchKey::CUDA, __FILE__, __LINE__);
+  static torch::Library c10d(torch::Library::IMPL, "c10d", c10::DispatchKey::CUDA, __FILE__, __LINE__);
+  // Overriding c10d's CUDA kernels is intended: silence the dispatcher's override warning.
+  struct Silent : c10::WarningHandler {
+    void process(const c10::Warning&) override {}
+  } silent;
+  c10::WarningUtils::WarningHandlerGuard guard(&silent);
   auto& dispatcher = c10::Dispatcher::singleton();
   for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
-    if (name.name.rfind("aten::", 0) != 0) continue;
+    bool is_aten = name.name.rfind("aten::", 0) == 0;
+    bool is_c10d = name.name.rfind("c10d::", 0) == 0;
+    if (!is_aten && !is_c10d) continue;
     auto op = dispatcher.findOp(name);
-    if (!op || !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
-        op->hasKernelForDispatchKey(c10::DispatchKey::CUDA)) {
-      continue;
-    }
+    if (!op || !op->hasKernelForDispatchKey(c10::DispatchKey::CPU)) continue;
+    // aten: only ops CUDA would reach through a composite wrapper. c10d: always, so that
+    // collectives on device tensors reach the process group's CPU backend (gloo) with CPU
+    // views of the device memory: zero-copy transport.
+    if (is_aten && op->hasKernelForDispatchKey(c10::DispatchKey::CUDA)) continue;
     std::string qualified = name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name);
-    lib.impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
+    (is_aten ? aten : c10d).impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
   }
   return 0;
 }();
