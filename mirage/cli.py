@@ -1,13 +1,17 @@
 """mirage: a virtual GPU cluster for PyTorch.
 
 Usage:
-    mirage run [--profile P] [--gpus-per-node N] [--env K=V]... [--workdir DIR]
-               [--clear-env-vars] -- CMD ARGS...
+    mirage run [--profile P] [--gpus-per-node N] [--num-nodes M] [--nproc-per-node K]
+               [--env K=V]... [--workdir DIR] [--clear-env-vars] -- CMD ARGS...
     mirage profiles [--json]
     mirage profiles show NAME|PATH [--json]
 
 `mirage run` runs CMD (and every Python process it starts) with N emulated GPUs of profile P
-(default mi350x, N defaults to the profile's GPUs per node). The exit code is the workload's;
+(default mi350x, N defaults to the profile's GPUs per node) on each of M emulated nodes: once
+per node, or K times per node with --nproc-per-node. Each process gets RANK, LOCAL_RANK,
+WORLD_SIZE, MASTER_ADDR/MASTER_PORT, MIRAGE_NODE_RANK, MIRAGE_NUM_NODES, MIRAGE_SESSION and
+NCCL_HOSTID; torchrun works inside (--standalone, or --nnodes=$MIRAGE_NUM_NODES
+--node-rank=$MIRAGE_NODE_RANK --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT). The exit code is the workload's;
 usage errors exit 2, mirage-level errors 1.
 """
 
@@ -58,6 +62,10 @@ def _build_parser() -> _Parser:
                      help=f"device profile name or TOML path (default {profiles.DEFAULT_PROFILE})")
     run.add_argument("--gpus-per-node", type=int, metavar="N",
                      help="emulated GPUs (default: the profile's GPUs per node)")
+    run.add_argument("--num-nodes", type=int, default=1, metavar="M",
+                     help="emulated nodes; the command runs once per node (default 1)")
+    run.add_argument("--nproc-per-node", type=int, metavar="K",
+                     help="start K ranks per node itself (no torchrun needed)")
     run.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                      help="set a variable in the workload's environment (repeatable)")
     run.add_argument("--workdir", metavar="DIR", help="run the command in DIR")
@@ -140,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(["run", *flags])
         request = launcher.RunRequest(
             command=command, profile=args.profile, gpus_per_node=args.gpus_per_node,
+            num_nodes=args.num_nodes, nproc_per_node=args.nproc_per_node,
             env=args.env, workdir=args.workdir, clear_env=args.clear_env_vars,
         )
         try:

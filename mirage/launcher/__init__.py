@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import secrets
+import socket
 import shutil
 import subprocess
 import sys
@@ -23,10 +24,12 @@ from pathlib import Path
 
 from mirage import profiles
 from mirage.launcher import environment
-from mirage.launcher.supervisor import Supervisor
+from mirage.launcher.supervisor import Supervisor, stdin_has_input
 from mirage.shim import build as shim_build
 
 MAX_GPUS_PER_NODE = 64
+MAX_NODES = 64
+HEAD_ADDR = "127.0.0.1"  # every emulated node is on this machine
 
 
 class UsageError(Exception):
@@ -49,6 +52,8 @@ class RunRequest:
     command: list[str]
     profile: str = profiles.DEFAULT_PROFILE
     gpus_per_node: int | None = None
+    num_nodes: int = 1
+    nproc_per_node: int | None = None
     env: list[str] = field(default_factory=list)
     workdir: str | None = None
     clear_env: bool = False
@@ -101,6 +106,10 @@ def validate(request: RunRequest) -> tuple[profiles.Profile, int]:
     gpus = profile.gpus_per_node if request.gpus_per_node is None else request.gpus_per_node
     if not 1 <= gpus <= MAX_GPUS_PER_NODE:
         raise UsageError(f"--gpus-per-node {gpus} is out of range; use 1 to {MAX_GPUS_PER_NODE}")
+    if not 1 <= request.num_nodes <= MAX_NODES:
+        raise UsageError(f"--num-nodes {request.num_nodes} is out of range; use 1 to {MAX_NODES}")
+    if request.nproc_per_node is not None and not 1 <= request.nproc_per_node <= MAX_GPUS_PER_NODE:
+        raise UsageError(f"--nproc-per-node {request.nproc_per_node} is out of range; use 1 to {MAX_GPUS_PER_NODE}")
     if request.workdir and not Path(request.workdir).is_dir():
         raise UsageError(f"--workdir {request.workdir} is not a directory")
     try:
@@ -109,6 +118,52 @@ def validate(request: RunRequest) -> tuple[profiles.Profile, int]:
         raise UsageError(str(err)) from None
     check_torch_is_cpu_build()
     return profile, gpus
+
+
+def free_port() -> int:
+    """A TCP port on the head address that nothing listens on now (for MASTER_PORT)."""
+    with socket.socket() as probe:
+        probe.bind((HEAD_ADDR, 0))
+        return probe.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One workload process: which node it is on and the identity it gets."""
+
+    node: int
+    local_rank: int
+    rank: int
+    world_size: int
+
+
+def placements(num_nodes: int, nproc_per_node: int | None) -> list[Placement]:
+    """Without --nproc-per-node the command runs once per node (rank = node); with it, K ranks
+    per node, RANK = node * K + LOCAL_RANK, as torchrun numbers them."""
+    per_node = nproc_per_node or 1
+    world = num_nodes * per_node
+    return [Placement(node, local, node * per_node + local, world)
+            for node in range(num_nodes) for local in range(per_node)]
+
+
+def identity(session_id: str, session_dir: Path, place: Placement, num_nodes: int, port: int) -> dict[str, str]:
+    """The job identity of one process: set last, never overridable by --env."""
+    return {
+        "RANK": str(place.rank),
+        "LOCAL_RANK": str(place.local_rank),
+        "WORLD_SIZE": str(place.world_size),
+        "LOCAL_WORLD_SIZE": str(place.world_size // num_nodes),
+        "GROUP_RANK": str(place.node),
+        "MASTER_ADDR": HEAD_ADDR,
+        "MASTER_PORT": str(port),
+        "MIRAGE_HEAD_ADDR": HEAD_ADDR,
+        "MIRAGE_HEAD_PORT": str(port),
+        "MIRAGE_NODE_RANK": str(place.node),
+        "MIRAGE_NUM_NODES": str(num_nodes),
+        "MIRAGE_SESSION": session_id,
+        "MIRAGE_RUNTIME": str(session_dir),
+        "NCCL_HOSTID": f"mirage-{session_id}-node{place.node}",
+    }
 
 
 def run_session(request: RunRequest) -> int:
@@ -121,26 +176,38 @@ def run_session(request: RunRequest) -> int:
     session_dir.mkdir(mode=0o700)
     try:
         shim = ensure_shim()
-        narrate(f"session {session_id} ({gpus} x {profile.torch_name})")
-        env = environment.build(
-            emulator={
-                "MIRAGE_SHIM_PATH": str(shim),
-                "MIRAGE_PROFILE": str(profile.path),
-                "MIRAGE_NUM_GPUS": str(gpus),
-            },
-            user=environment.parse_assignments(request.env),
-            identity={"MIRAGE_SESSION": session_id, "MIRAGE_RUNTIME": str(session_dir)},
-            clear=request.clear_env,
-            warn=narrate,
-        )
-        try:
-            supervisor.start(request.command, env, request.workdir, terminal=True)
-        except FileNotFoundError:
-            narrate(f"command not found: {request.command[0]}")
-            return 127
-        except PermissionError:
-            narrate(f"command is not executable: {request.command[0]}")
-            return 126
+        processes = placements(request.num_nodes, request.nproc_per_node)
+        narrate(f"session {session_id} ({request.num_nodes} node(s) x {gpus} x {profile.torch_name}, "
+                f"{len(processes)} process(es))")
+        emulator = {
+            "MIRAGE_SHIM_PATH": str(shim),
+            "MIRAGE_PROFILE": str(profile.path),
+            "MIRAGE_NUM_GPUS": str(gpus),
+            # Gloo carries the emulated NCCL traffic; every emulated node is on loopback.
+            "GLOO_SOCKET_IFNAME": "lo",
+        }
+        user = environment.parse_assignments(request.env)
+        port = free_port()
+        single = len(processes) == 1
+        if not single and stdin_has_input():
+            narrate("stdin has input, but no rank of a multi-process job reads stdin")
+        for place in processes:
+            if request.num_nodes > 1 and place.local_rank == 0:
+                narrate(f"starting node {place.node + 1}/{request.num_nodes}")
+            env = environment.build(
+                emulator=emulator, user=user,
+                identity=identity(session_id, session_dir, place, request.num_nodes, port),
+                clear=request.clear_env, warn=narrate if place.rank == 0 else (lambda _: None),
+            )
+            try:
+                supervisor.start(request.command, env, request.workdir,
+                                 label=None if single else str(place.rank))
+            except FileNotFoundError:
+                narrate(f"command not found: {request.command[0]}")
+                return 127
+            except PermissionError:
+                narrate(f"command is not executable: {request.command[0]}")
+                return 126
         return supervisor.wait()
     finally:
         supervisor.teardown()

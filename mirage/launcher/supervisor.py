@@ -17,14 +17,17 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import stat
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 TERMINATE_GRACE_SECONDS = 5.0
+LINE_LIMIT = 1 << 20  # a line with no newline is flushed at 1 MiB
 _PR_SET_CHILD_SUBREAPER = 36
 LADDER_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
@@ -37,6 +40,9 @@ class Supervisor:
     session_id: str
     narrate: Callable[[str], None]
     children: list[subprocess.Popen] = field(default_factory=list)
+    labels: dict[int, str] = field(default_factory=dict)  # pid -> rank label
+    pumps: list[threading.Thread] = field(default_factory=list)
+    _output_lock: threading.Lock = field(default_factory=threading.Lock)
     ladder_step: int = 0
     kill_deadline: float | None = None
     _terminal_fd: int | None = None
@@ -50,21 +56,47 @@ class Supervisor:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
-    def start(self, argv: list[str], env: dict[str, str], cwd: str | None, *, terminal: bool) -> subprocess.Popen:
+    def start(self, argv: list[str], env: dict[str, str], cwd: str | None, *,
+              label: str | None = None) -> subprocess.Popen:
         """Starts one workload process in a process group of its own.
 
-        With `terminal`, the process also becomes the terminal's foreground group, so it can
-        read stdin (a REPL works) and Ctrl-C reaches it directly, as without mirage.
+        Without a `label` the process inherits the terminal (stdin, stdout, stderr) and becomes
+        the terminal's foreground group, so a REPL works and Ctrl-C reaches it directly, as
+        without mirage. With a label (multi-process jobs) its output is printed line by line
+        prefixed with `[label] `, stdout and stderr kept apart, and it gets no stdin.
         """
-        child = subprocess.Popen(argv, env=env, cwd=cwd, process_group=0)
+        if label is None:
+            child = subprocess.Popen(argv, env=env, cwd=cwd, process_group=0)
+            if sys.stdin.isatty():
+                self._terminal_fd = sys.stdin.fileno()
+                self._hand_terminal_to(child.pid)
+        else:
+            child = subprocess.Popen(argv, env=env, cwd=cwd, process_group=0, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            prefix = f"[{label}] ".encode()
+            for pipe, sink in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
+                pump = threading.Thread(target=self._pump, args=(pipe, sink, prefix), daemon=True)
+                pump.start()
+                self.pumps.append(pump)
+            self.labels[child.pid] = label
         self.children.append(child)
-        if terminal and sys.stdin.isatty():
-            self._terminal_fd = sys.stdin.fileno()
-            self._hand_terminal_to(child.pid)
         return child
 
+    def _pump(self, pipe, sink, prefix: bytes) -> None:
+        """Copies one child's stream to ours a line at a time, each line prefixed."""
+        for line in iter(lambda: pipe.readline(LINE_LIMIT), b""):
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            with self._output_lock:
+                sink.buffer.write(prefix + line)
+                sink.flush()
+        pipe.close()
+
     def wait(self) -> int:
-        """Waits for every child; returns the first failing exit code (as a shell reports it)."""
+        """Waits for every child; returns the first failing exit code (as a shell reports it).
+
+        When one process fails, the others are stopped: a job with a dead rank cannot finish.
+        """
         exit_code = 0
         pending = list(self.children)
         while pending:
@@ -74,12 +106,19 @@ class Supervisor:
                     code = shell_exit_code(child.returncode)
                     if code and not exit_code:
                         exit_code = code
+                        if pending and self.kill_deadline is None:
+                            who = self.labels.get(child.pid, str(child.pid))
+                            self.narrate(f"[{who}] exited with code {code}; stopping the other processes")
+                            self.signal_all(signal.SIGTERM)
+                            self.kill_deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
             if pending:
                 if self.kill_deadline is not None and time.monotonic() >= self.kill_deadline:
                     self.narrate("workload still running after SIGTERM; sending SIGKILL")
                     self.signal_all(signal.SIGKILL)
                     self.kill_deadline = None
                 time.sleep(0.05)
+        for pump in self.pumps:
+            pump.join(timeout=5)
         return exit_code
 
     def signal_all(self, sig: int) -> None:
@@ -132,6 +171,15 @@ class Supervisor:
     def _on_forwarded_signal(self, signum: int, _frame) -> None:
         self.narrate(f"forwarding {signal.Signals(signum).name} to the workload")
         self.signal_all(signum)
+
+
+def stdin_has_input() -> bool:
+    """Whether something was piped or redirected into our stdin (that no rank will read)."""
+    try:
+        mode = os.fstat(sys.stdin.fileno()).st_mode
+    except (OSError, ValueError):
+        return False
+    return stat.S_ISFIFO(mode) or (stat.S_ISREG(mode) and os.fstat(sys.stdin.fileno()).st_size > 0)
 
 
 def shell_exit_code(returncode: int) -> int:

@@ -9,6 +9,7 @@
 //                        events (all work is synchronous, so events just record host time).
 //   * DeviceAllocator  - host memory labelled Device(CUDA, i), counted against the profile's
 //                        capacity; over capacity raises torch.cuda.OutOfMemoryError.
+//   * DDP timer        - the reducer's per-device timer (host clock).
 //   * boxed fallback   - every other CUDA op: CPU tensors that alias the same memory are handed
 //                        to the CPU kernel (no copies), and the results are re-labelled as CUDA.
 // The fallback is on every tensor operation: keep it lean.
@@ -27,6 +28,7 @@
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <torch/csrc/distributed/c10d/reducer_timer.hpp>
 #include <torch/library.h>
 
 #include <array>
@@ -649,6 +651,19 @@ TORCH_LIBRARY_IMPL(aten, CUDA, m) {
   m.impl("set_", TORCH_FN(mirage::set_empty));
   m.impl("native_dropout", TORCH_FN(mirage::native_dropout));
 }
+
+// DDP's reducer asks for a timer for its device type; work is synchronous, so host time it is.
+namespace c10d {
+struct MirageHostTimer final : Timer {
+  explicit MirageHostTimer(c10::Device) {}
+  std::optional<int64_t> measureDifference(Event start, Event end) override {
+    auto from = getTimestamp(start), to = getTimestamp(end);
+    if (!from || !to || *to < *from) return std::nullopt;
+    return *to - *from;
+  }
+};
+C10_REGISTER_TYPED_CLASS(TimerRegistry, c10::kCUDA, MirageHostTimer);
+}  // namespace c10d
 
 namespace mirage {
 // Aten ops with a CPU kernel but no CUDA kernel would otherwise reach CUDA through a
