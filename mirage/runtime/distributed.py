@@ -63,6 +63,81 @@ def _tear_down_at_exit(c10d: ModuleType) -> None:
     gc.collect()
 
 
+# PREMUL_SUM ops handed out by dist._make_nccl_premul_sum, by id, with their factor. The C++
+# ReduceOp does not expose its factor to Python, so we remember it (and keep the op alive so
+# its id stays unique).
+_premul_factors: dict[int, tuple[object, object]] = {}
+
+
+def _add_reduce_op_emulation(dist: ModuleType, c10d: ModuleType) -> None:
+    """AVG and PREMUL_SUM are NCCL reduce ops gloo lacks: emulate them around a SUM.
+
+    PREMUL_SUM scales the input first; AVG divides the result by the group size, after the
+    collective completed (so an async_op=True call completes before returning)."""
+    ReduceOp = dist.ReduceOp
+    make_premul_sum = dist._make_nccl_premul_sum
+
+    def premul_sum(factor):
+        op = make_premul_sum(factor)
+        _premul_factors[id(op)] = (op, factor)
+        return op
+
+    dist._make_nccl_premul_sum = premul_sum
+
+    def wrap(name: str, op_at: int, group_at: int, input_at: int, output_at: int):
+        """Wraps c10d.<name>, whose positional arguments have op, group, input and output at
+        the given positions."""
+        collective = getattr(c10d, name)
+        keywords = {op_at: "op", group_at: "group"}
+
+        def argument(args: list, kwargs: dict, position: int, default=None):
+            return args[position] if position < len(args) else kwargs.get(keywords.get(position, ""), default)
+
+        def replace(args: list, kwargs: dict, position: int, keyword: str, value) -> None:
+            if position < len(args):
+                args[position] = value
+            else:
+                kwargs[keyword] = value
+
+        def emulated(*args, **kwargs):
+            args = list(args)
+            op = argument(args, kwargs, op_at, ReduceOp.SUM)
+            premul = _premul_factors.get(id(op))
+            if premul is None and op != ReduceOp.AVG:
+                return collective(*args, **kwargs)
+            replace(args, kwargs, op_at, "op", ReduceOp.SUM)
+            if premul is not None:
+                tensors = args[input_at]
+                if input_at == output_at:  # in place: scaling the input is the real semantics
+                    tensors.mul_(premul[1])
+                elif isinstance(tensors, list):
+                    args[input_at] = [t * premul[1] for t in tensors]
+                else:
+                    args[input_at] = tensors * premul[1]
+                return collective(*args, **kwargs)
+            work = collective(*args, **kwargs)
+            if work is not None:
+                work.wait()
+            output = args[output_at]
+            size = c10d.get_world_size(argument(args, kwargs, group_at))
+            for tensor in output if isinstance(output, list) else [output]:
+                if tensor.is_floating_point() or tensor.is_complex():
+                    tensor.div_(size)
+                else:
+                    tensor.floor_divide_(size)
+            return work
+
+        emulated.__wrapped__ = collective
+        emulated.__doc__ = collective.__doc__
+        setattr(c10d, name, emulated)
+        setattr(dist, name, emulated)
+
+    wrap("all_reduce", op_at=1, group_at=2, input_at=0, output_at=0)
+    wrap("reduce", op_at=2, group_at=3, input_at=0, output_at=0)
+    wrap("reduce_scatter", op_at=2, group_at=3, input_at=1, output_at=0)
+    wrap("reduce_scatter_tensor", op_at=2, group_at=3, input_at=1, output_at=0)
+
+
 def install(torch: ModuleType) -> None:
     """Wires emulated NCCL into torch.distributed. Called right after `import torch`."""
     import torch.distributed as dist
@@ -90,4 +165,5 @@ def install(torch: ModuleType) -> None:
     c10d._get_default_timeout = lambda backend: default_timeout(
         c10d.Backend.GLOO if _steer_to_gloo(backend) else backend)
     c10d.is_nccl_available = dist.is_nccl_available = lambda: True
+    _add_reduce_op_emulation(dist, c10d)
     atexit.register(_tear_down_at_exit, c10d)

@@ -1,0 +1,85 @@
+"""Emulated NCCL across emulated GPUs and nodes: collectives, DDP, the demo commands."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO, mirage
+
+NCCL_ENV = ["--env", "NCCL_P2P_DISABLE=1", "--env", "NCCL_SHM_DISABLE=1", "--env", "NCCL_SOCKET_IFNAME=lo"]
+
+
+def test_every_collective_on_device_tensors_equals_gloo_on_cpu():
+    result = mirage("run", "--nproc-per-node", "4", "--gpus-per-node", "4", "--",
+                    "python", "tests/workloads/collectives.py")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "[0] collectives_ok" in result.stdout
+    for name in ("all_reduce AVG", "all_reduce PREMUL_SUM", "all_to_all_single_uneven",
+                 "isend_irecv_batch", "new_subgroups all_reduce", "reduce_scatter_tensor", "barrier"):
+        assert f"[0] ok {name}" in result.stdout
+
+
+def test_ddp_demo_under_torchrun():
+    result = mirage("run", "--profile", "mi350x", "--gpus-per-node", "2", "--", "torchrun", "--standalone",
+                    "--nproc_per_node=2", "tests/fixtures/ml/ddp_mlp.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("[rank 0] loss: ") and "over 50 steps" in lines[0]
+    assert lines[1:] == ["[rank 0] all ranks converged with identical replicas", "ddp_mlp_ok"]
+
+
+def test_ddp_across_two_emulated_nodes_without_torchrun():
+    result = mirage("run", "--profile", "mi350x", "--num-nodes", "2", "--gpus-per-node", "2", *NCCL_ENV,
+                    "--", "python3", "tests/fixtures/ml/ddp_mlp.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[0] ddp_mlp_ok" in result.stdout
+    assert "starting node 2/2" in result.stderr
+
+
+def test_dist_smoke_on_two_nodes_logs_devices_and_reduces():
+    result = mirage("run", "--profile", "mi350x", "--num-nodes", "2", "--gpus-per-node", "2", *NCCL_ENV,
+                    "--env", "NCCL_DEBUG=INFO", "--", "python3", "tests/fixtures/ml/dist_smoke.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[rank 1] current device = 1 (cuda:1)" in result.stdout
+    assert "[0] dist_smoke_ok" in result.stdout
+    init_lines = [line for line in result.stderr.splitlines() if "RCCL INFO" in line]
+    assert len(init_lines) == 2 and "nRanks 2" in init_lines[0] and "profile mi350x" in init_lines[0]
+
+
+def test_torchrun_across_emulated_nodes():
+    script = ('torchrun --nnodes=$MIRAGE_NUM_NODES --node-rank=$MIRAGE_NODE_RANK --nproc-per-node=2 '
+              '--rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT tests/fixtures/ml/dist_smoke.py')
+    result = mirage("run", "--num-nodes", "2", "--gpus-per-node", "2", "--", "sh", "-c", script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "all_reduce sum = 10 (expected 10) on 4 ranks" in result.stdout
+
+
+def test_identity_variables_per_rank_and_node():
+    script = "import os; print(*(os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'MIRAGE_NODE_RANK', 'NCCL_HOSTID')))"
+    result = mirage("run", "--num-nodes", "2", "--nproc-per-node", "2", "--gpus-per-node", "2",
+                    "--env", "RANK=99", "--", "python", "-c", script)
+    assert result.returncode == 0, result.stderr
+    rows = sorted(line.split(" ", 1) for line in result.stdout.splitlines())
+    assert [r[0] for r in rows] == ["[0]", "[1]", "[2]", "[3]"]
+    fields = [r[1].split() for r in rows]
+    assert [f[:4] for f in fields] == [["0", "0", "4", "0"], ["1", "1", "4", "0"], ["2", "0", "4", "1"], ["3", "1", "4", "1"]]
+    assert fields[0][4] == fields[1][4] != fields[2][4]
+    assert "--env RANK ignored" in result.stderr
+
+
+def test_a_failing_rank_stops_the_job_with_its_exit_code():
+    script = "import os, time\nif os.environ['RANK'] == '1': raise SystemExit(3)\ntime.sleep(600)"
+    result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", "-c", script, timeout=120)
+    assert result.returncode == 3
+    assert "[1] exited with code 3; stopping the other processes" in result.stderr
+
+
+def test_run_ddp_mlp_script_with_four_ranks():
+    venv = Path(sys.executable).parent.parent
+    env = dict(os.environ, NPROC="4", STEPS="100", SKIP_INSTALL="1", VENV=str(venv))
+    result = subprocess.run(["./tests/run_ddp_mlp_mi350.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "over 100 steps" in result.stdout
+    assert result.stdout.rstrip().endswith("ddp_mlp_ok\n==> PASS: DDP MLP trained on 4 emulated mi350x GPUs via torchrun")

@@ -1,0 +1,179 @@
+"""Every collective on emulated-GPU tensors over init_process_group("nccl"), checked against
+the same collective on CPU tensors (gloo) in the same job. Run with 4 ranks on 4 GPUs;
+rank 0 prints `ok <name>` per collective and `collectives_ok` at the end."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dev = torch.device("cuda", torch.cuda.current_device())
+dist.init_process_group("nccl")
+cpu_group = dist.new_group(backend="gloo")
+checked = []
+
+
+def data(shape=(6,), dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(1, 5, shape, generator=g).to(dtype)
+
+
+def same(name, device_result, cpu_result):
+    device_results = device_result if isinstance(device_result, list) else [device_result]
+    cpu_results = cpu_result if isinstance(cpu_result, list) else [cpu_result]
+    for d, c in zip(device_results, cpu_results):
+        assert d.device == dev, f"{name}: result on {d.device}, not {dev}"
+        torch.testing.assert_close(d.cpu(), c, msg=f"{name} differs from gloo on CPU")
+    checked.append(name)
+
+
+def both(name, fn):
+    """Runs fn(make_tensor, group) on device tensors (nccl) and CPU tensors (gloo)."""
+    same(name, fn(lambda t: t.to(dev), None), fn(lambda t: t, cpu_group))
+
+
+# all_reduce with every reduce op; AVG and PREMUL_SUM are checked against their definition.
+for op in (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN, dist.ReduceOp.MAX):
+    def all_reduce(make, group, op=op):
+        t = make(data())
+        dist.all_reduce(t, op=op, group=group)
+        return t
+    both(f"all_reduce {op}", all_reduce)
+t = data().to(dev)
+dist.all_reduce(t, op=dist.ReduceOp.AVG)
+s = data()
+dist.all_reduce(s, group=cpu_group)
+same("all_reduce AVG", t, s / world)
+t = data().to(dev)
+dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
+same("all_reduce PREMUL_SUM", t, s * 0.5)
+t = data(dtype=torch.int64).to(dev)
+work = dist.all_reduce(t, async_op=True)
+work.wait()
+s = data(dtype=torch.int64)
+dist.all_reduce(s, group=cpu_group)
+same("all_reduce async int64", t, s)
+
+
+def broadcast(make, group):
+    t = make(data())
+    dist.broadcast(t, src=2, group=group)
+    return t
+
+
+def reduce(make, group):
+    t = make(data())
+    dist.reduce(t, dst=1, group=group)
+    return t
+
+
+def all_gather(make, group):
+    out = [make(torch.zeros(6)) for _ in range(world)]
+    dist.all_gather(out, make(data()), group=group)
+    return out
+
+
+def all_gather_into_tensor(make, group):
+    out = make(torch.zeros(6 * world))
+    dist.all_gather_into_tensor(out, make(data()), group=group)
+    return out
+
+
+def reduce_scatter(make, group):
+    out = make(torch.zeros(3))
+    dist.reduce_scatter(out, [make(data((3,), seed=i)) for i in range(world)], group=group)
+    return out
+
+
+def reduce_scatter_tensor(make, group):
+    out = make(torch.zeros(3))
+    dist.reduce_scatter_tensor(out, make(data((3 * world,))), group=group)
+    return out
+
+
+def all_to_all(make, group):
+    out = [make(torch.zeros(2)) for _ in range(world)]
+    dist.all_to_all(out, [make(data((2,), seed=i)) for i in range(world)], group=group)
+    return out
+
+
+def all_to_all_single_uneven(make, group):
+    # rank r sends (j + 1) elements to rank j, receives (r + 1) from everyone
+    send = make(torch.arange(sum(j + 1 for j in range(world)), dtype=torch.float32) + 100 * rank)
+    out = make(torch.zeros((rank + 1) * world))
+    dist.all_to_all_single(out, send, output_split_sizes=[rank + 1] * world,
+                           input_split_sizes=[j + 1 for j in range(world)], group=group)
+    return out
+
+
+def gather(make, group):
+    out = [make(torch.zeros(6)) for _ in range(world)] if rank == 0 else None
+    dist.gather(make(data()), out, dst=0, group=group)
+    return out if rank == 0 else [make(torch.zeros(6))]
+
+
+def scatter(make, group):
+    out = make(torch.zeros(4))
+    dist.scatter(out, [make(torch.full((4,), float(i))) for i in range(world)] if rank == 3 else None,
+                 src=3, group=group)
+    return out
+
+
+def send_recv(make, group):
+    t = make(data())
+    if rank % 2 == 0:
+        dist.send(t, dst=rank + 1, group=group)
+    else:
+        dist.recv(t, src=rank - 1, group=group)
+    return t
+
+
+def isend_irecv_batch(make, group):
+    send, recv = make(data()), make(torch.zeros(6))
+    ops = [dist.P2POp(dist.isend, send, (rank + 1) % world, group=group),
+           dist.P2POp(dist.irecv, recv, (rank - 1) % world, group=group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return recv
+
+
+for fn in (broadcast, reduce, all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor,
+           all_to_all, all_to_all_single_uneven, gather, scatter, send_recv, isend_irecv_batch):
+    both(fn.__name__, fn)
+
+# Subgroups: even ranks and odd ranks, each over nccl.
+evens, odds = dist.new_group([0, 2]), dist.new_group([1, 3])
+mine = evens if rank % 2 == 0 else odds
+t = torch.tensor([float(rank)], device=dev)
+dist.all_reduce(t, group=mine)
+same("new_group all_reduce", t, torch.tensor([float(rank % 2 * 2 + 2)]))
+subgroup, _ = dist.new_subgroups(group_size=2)
+t = torch.tensor([1.0], device=dev)
+dist.all_reduce(t, group=subgroup)
+same("new_subgroups all_reduce", t, torch.tensor([2.0]))
+
+# Object collectives and barrier.
+objects = [None] * world
+dist.all_gather_object(objects, {"rank": rank})
+assert objects == [{"rank": r} for r in range(world)]
+checked.append("all_gather_object")
+box = [{"hello": rank}] if rank == 0 else [None]
+dist.broadcast_object_list(box, src=0)
+assert box == [{"hello": 0}]
+checked.append("broadcast_object_list")
+dist.barrier()
+checked.append("barrier")
+assert dist.get_backend() == "nccl" and dist.is_nccl_available()
+checked.append("get_backend == nccl")
+
+if rank == 0:
+    for name in checked:
+        print(f"ok {name}")
+    print("collectives_ok")
+dist.destroy_process_group()
+sys.exit(0)
