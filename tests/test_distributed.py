@@ -83,3 +83,22 @@ def test_run_ddp_mlp_script_with_four_ranks():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "over 100 steps" in result.stdout
     assert result.stdout.rstrip().endswith("ddp_mlp_ok\n==> PASS: DDP MLP trained on 4 emulated mi350x GPUs via torchrun")
+
+
+def test_fsdp2_tensor_parallel_dtensor_and_ddp_buckets_on_four_gpus():
+    result = mirage("run", "--nproc-per-node", "4", "--gpus-per-node", "4", "--",
+                    "python", "tests/workloads/parallelisms.py")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for name in ("fsdp2 losses equal single-device training", "tensor parallel on a 2x2 mesh",
+                 "dtensor shard/replicate on a cuda mesh", "ddp 24 params, bucket_cap_mb=1, no_sync"):
+        assert f"[0] ok {name}" in result.stdout
+    assert "[0] parallelisms_ok" in result.stdout
+
+
+def test_ddp_many_buckets_500_steps_on_two_nodes_of_four():
+    """The stall the ISA-level emulator hits: DDP's repeated bucketed all-reduces."""
+    result = mirage("run", "--num-nodes", "2", "--nproc-per-node", "4", "--gpus-per-node", "4",
+                    "--env", "DDP_ONLY=1", "--env", "DDP_STEPS=500", "--",
+                    "python", "tests/workloads/parallelisms.py", timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "[0] ok ddp 24 params, bucket_cap_mb=1, no_sync, 500 steps" in result.stdout

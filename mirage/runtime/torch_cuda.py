@@ -117,9 +117,9 @@ def _make_stream_and_event(torch: ModuleType) -> tuple[type, type]:
 
 
 def _allow_device_storages(torch: ModuleType) -> None:
-    """`torch.UntypedStorage(n, device="cuda")` is refused by a CPU build's C++ constructor;
-    storage.cuda(), storage.to() and checkpoint loading all call it. Build the storage from
-    a device tensor instead (same allocator, same accounting)."""
+    """`torch.UntypedStorage(n, device="cuda")` and `.resize_()` of a device storage are
+    compiled out of a CPU build; storage.cuda(), checkpoint loading and FSDP call them. Route
+    them through a device tensor and the shim (same allocator, same accounting)."""
     storage_class = torch.UntypedStorage
     base_new = storage_class.__new__
 
@@ -136,6 +136,16 @@ def _allow_device_storages(torch: ModuleType) -> None:
         return base_new(cls, *args, **kwargs)
 
     storage_class.__new__ = new
+    base_resize = storage_class.resize_
+
+    def resize_(self, size: int):
+        if self.device.type != "cuda":
+            return base_resize(self, size)
+        holder = torch.empty(0, dtype=torch.uint8, device=self.device).set_(self)
+        torch.ops.mirage.resize_storage_bytes_(holder, size)
+        return self
+
+    storage_class.resize_ = resize_
 
 
 def install(torch: ModuleType) -> None:

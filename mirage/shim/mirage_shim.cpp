@@ -697,7 +697,22 @@ static const int g_register_cpu_twins = [] {
 }  // namespace mirage
 
 // The Python side asks for each device's default generator (torch.cuda.default_generators).
+// Storage resize (UntypedStorage.resize_, which FSDP uses to free and re-grow parameters) is
+// compiled out of a CPU build for CUDA storages; Python reaches this instead.
+namespace mirage {
+static void resize_storage_bytes(const at::Tensor& self, int64_t nbytes) {
+  c10::StorageImpl* storage = self.storage().unsafeGetStorageImpl();
+  TORCH_CHECK(storage->resizable(), "Trying to resize storage that is not resizable");
+  c10::DataPtr fresh = device_allocators()[self.device().index()].allocate(static_cast<size_t>(nbytes));
+  size_t keep = std::min<size_t>(storage->nbytes(), static_cast<size_t>(nbytes));
+  if (keep) std::memcpy(fresh.get(), storage->data(), keep);
+  storage->set_data_ptr_noswap(std::move(fresh));
+  storage->set_nbytes(static_cast<size_t>(nbytes));
+}
+}  // namespace mirage
+
 TORCH_LIBRARY(mirage, m) {
+  m.def("resize_storage_bytes_(Tensor(a!) self, int nbytes) -> ()", &mirage::resize_storage_bytes);
   m.def("default_generator(int device) -> Generator?", [](int64_t device) {
     return mirage::default_generator(static_cast<c10::DeviceIndex>(device));
   });
