@@ -102,3 +102,28 @@ def test_ddp_many_buckets_500_steps_on_two_nodes_of_four():
                     "python", "tests/workloads/parallelisms.py", timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[0] ok ddp 24 params, bucket_cap_mb=1, no_sync, 500 steps" in result.stdout
+
+
+def test_two_ranks_on_one_gpu_fail_with_rccls_duplicate_gpu_error(tmp_path):
+    script = tmp_path / "dup.py"
+    script.write_text("import torch, torch.distributed as dist\ndist.init_process_group('nccl')\n"
+                      "t = torch.ones(2, device='cuda:0')\ndist.all_reduce(t)\nprint('unreachable')\n")
+    result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", str(script), timeout=120)
+    assert result.returncode == 1
+    assert "unreachable" not in result.stdout
+    assert "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 0" in result.stderr
+    assert "ncclInvalidUsage" in result.stderr
+
+
+def test_a_collective_no_peer_matches_fails_within_the_timeout_naming_it(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import datetime, os, time, torch, torch.distributed as dist\n"
+        "rank = int(os.environ['RANK']); torch.cuda.set_device(rank)\n"
+        "dist.init_process_group('nccl', timeout=datetime.timedelta(seconds=3))\n"
+        "t = torch.ones(2, device='cuda')\ndist.all_reduce(t)\n"
+        "if rank == 0: dist.all_reduce(t)\nelse: time.sleep(600)\n")
+    result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", str(script), timeout=120)
+    assert result.returncode == 1
+    assert "c10d::allreduce_ on a group of 2 ranks (this rank 0, group 'default_pg') failed" in result.stderr
+    assert "Timed out" in result.stderr

@@ -28,6 +28,7 @@
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/reducer_timer.hpp>
 #include <torch/library.h>
 
@@ -652,6 +653,108 @@ TORCH_LIBRARY_IMPL(aten, CUDA, m) {
   m.impl("native_dropout", TORCH_FN(mirage::native_dropout));
 }
 
+// ---------------------------------------------------------------- collectives
+
+namespace mirage {
+
+// NCCL refuses a communicator with two ranks on one GPU at its first collective; so do we.
+// One all-gather of (node, device) per process group, over its CPU backend, before the first
+// collective on device tensors. Point-to-point ops are skipped: not every rank takes part.
+static std::mutex g_checked_mu;
+static std::unordered_set<const void*> g_checked_groups;
+
+static void ensure_distinct_gpus(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, DeviceIndex device) {
+  {
+    std::lock_guard<std::mutex> g(g_checked_mu);
+    if (!g_checked_groups.insert(pg.get()).second) return;
+  }
+  const char* host = std::getenv("NCCL_HOSTID");
+  int64_t node = static_cast<int64_t>(std::hash<std::string>{}(host ? host : ""));
+  at::Tensor mine = at::empty({2}, at::kLong);
+  mine[0] = node;
+  mine[1] = static_cast<int64_t>(device);
+  std::vector<std::vector<at::Tensor>> all(1);
+  for (int i = 0; i < pg->getSize(); ++i) all[0].push_back(at::empty({2}, at::kLong));
+  std::vector<at::Tensor> in{mine};
+  pg->getBackend(DeviceType::CPU)->allgather(all, in)->wait();
+  for (int a = 0; a < pg->getSize(); ++a) {
+    for (int b = 0; b < a; ++b) {
+      if (at::equal(all[0][a], all[0][b]) && (a == pg->getRank() || b == pg->getRank())) {
+        const char* lib = config().amd ? "RCCL" : "NCCL";
+        TORCH_CHECK_WITH(DistBackendError, false, lib, " error: invalid usage (run with NCCL_DEBUG=WARN for details)\n"
+            "ncclInvalidUsage: This usually reflects invalid usage of NCCL library.\nLast error:\n"
+            "Duplicate GPU detected : rank ", a, " and rank ", b, " both on CUDA device ", static_cast<int>(device),
+            " (mirage: emulated node ", host ? host : "?", "; give each rank its own GPU, e.g. "
+            "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before the first collective)");
+      }
+    }
+  }
+}
+
+// A Work whose failure names the collective it belongs to.
+struct NamedWork final : c10d::Work {
+  NamedWork(c10::intrusive_ptr<c10d::Work> inner, std::string what)
+      : c10d::Work(inner->retrieveOpType() == c10d::OpType::UNKNOWN ? -1 : -1, inner->retrieveOpType()),
+        inner_(std::move(inner)), what_(std::move(what)) {}
+  bool isCompleted() override { return inner_->isCompleted(); }
+  bool isSuccess() const override { return inner_->isSuccess(); }
+  std::exception_ptr exception() const override { return inner_->exception(); }
+  std::vector<at::Tensor> result() override { return inner_->result(); }
+  void synchronize() override { inner_->synchronize(); }
+  bool wait(std::chrono::milliseconds timeout) override {
+    try {
+      return inner_->wait(timeout);
+    } catch (const std::exception& e) {
+      TORCH_CHECK_WITH(DistBackendError, false, what_, " failed: ", e.what());
+    }
+  }
+  void abort() override { inner_->abort(); }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return inner_->getFuture(); }
+  uint64_t getSequencenumber() const override { return inner_->getSequencenumber(); }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> inner_;
+  std::string what_;
+};
+
+// c10d ops on device tensors: the duplicate-GPU check, the zero-copy fallback to the CPU
+// backend, and a Work that names the collective if it fails (a timeout, a dead peer).
+static void collective_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  const auto& args = op.schema().arguments();
+  const size_t base = stack->size() - args.size();
+  c10::intrusive_ptr<c10d::ProcessGroup> pg;
+  DeviceIndex device = -1;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& iv = (*stack)[base + i];
+    if (!pg && iv.isCustomClass() && args[i].name() == "process_group") {
+      pg = iv.toCustomClass<c10d::ProcessGroup>();
+    } else if (device < 0 && iv.isTensor() && iv.toTensor().is_cuda()) {
+      device = iv.toTensor().device().index();
+    } else if (device < 0 && iv.isTensorList()) {
+      for (const at::Tensor& t : iv.toTensorVector()) {
+        if (t.is_cuda()) { device = t.device().index(); break; }
+      }
+    }
+  }
+  const std::string& name = op.schema().name();
+  bool point_to_point = name == "c10d::send" || name == "c10d::recv_" || name == "c10d::recv_any_source_";
+  if (pg && device >= 0 && !point_to_point) ensure_distinct_gpus(pg, device);
+  fallback(op, ks, stack);
+  if (!pg) return;
+  const size_t num_returns = op.schema().returns().size();
+  for (size_t i = stack->size() - num_returns; i < stack->size(); ++i) {
+    c10::IValue& iv = (*stack)[i];
+    if (iv.isCustomClass() && op.schema().returns()[i - (stack->size() - num_returns)].type()->str().find("Work") != std::string::npos) {
+      auto work = iv.toCustomClass<c10d::Work>();
+      std::string what = name + " on a group of " + std::to_string(pg->getSize()) + " ranks (this rank " +
+          std::to_string(pg->getRank()) + ", group '" + pg->getGroupDesc() + "')";
+      iv = c10::IValue(c10::intrusive_ptr<c10d::Work>(c10::make_intrusive<NamedWork>(std::move(work), std::move(what))));
+    }
+  }
+}
+
+}  // namespace mirage
+
 // DDP's reducer asks for a timer for its device type; work is synchronous, so host time it is.
 namespace c10d {
 struct MirageHostTimer final : Timer {
@@ -690,7 +793,11 @@ static const int g_register_cpu_twins = [] {
     // views of the device memory: zero-copy transport.
     if (is_aten && op->hasKernelForDispatchKey(c10::DispatchKey::CUDA)) continue;
     std::string qualified = name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name);
-    (is_aten ? aten : c10d).impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
+    if (is_aten) {
+      aten.impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
+    } else {
+      c10d.impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&collective_fallback>());
+    }
   }
   return 0;
 }();
