@@ -1,6 +1,8 @@
 """Emulated NCCL across emulated GPUs and nodes: collectives, DDP, the demo commands."""
 
 import os
+
+import pytest
 import subprocess
 import sys
 from pathlib import Path
@@ -127,3 +129,11 @@ def test_a_collective_no_peer_matches_fails_within_the_timeout_naming_it(tmp_pat
     assert result.returncode == 1
     assert "c10d::allreduce_ on a group of 2 ranks (this rank 0, group 'default_pg') failed" in result.stderr
     assert "Timed out" in result.stderr
+
+
+@pytest.mark.slow
+def test_dist_smoke_on_32_emulated_gpus():
+    result = mirage("run", "--num-nodes", "4", "--nproc-per-node", "8", "--gpus-per-node", "8", "--",
+                    "python", "tests/fixtures/ml/dist_smoke.py", timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "all_reduce sum = 528 (expected 528) on 32 ranks" in result.stdout
