@@ -1,11 +1,11 @@
 """Emulated NCCL across emulated GPUs and nodes: collectives, DDP, the demo commands."""
 
 import os
-
-import pytest
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from conftest import REPO, mirage
 
