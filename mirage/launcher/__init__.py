@@ -176,6 +176,8 @@ def run_session(request: RunRequest) -> int:
     session_dir.mkdir(mode=0o700)
     try:
         shim = ensure_shim()
+        scratch = session_dir / "tmp"
+        scratch.mkdir(mode=0o700)
         processes = placements(request.num_nodes, request.nproc_per_node)
         narrate(f"session {session_id} ({request.num_nodes} node(s) x {gpus} x {profile.torch_name}, "
                 f"{len(processes)} process(es))")
@@ -185,6 +187,8 @@ def run_session(request: RunRequest) -> int:
             "MIRAGE_NUM_GPUS": str(gpus),
             # Gloo carries the emulated NCCL traffic; every emulated node is on loopback.
             "GLOO_SOCKET_IFNAME": "lo",
+            # Scratch (torchrun's error files, tempfile) lives and dies with the session.
+            "TMPDIR": str(scratch),
         }
         user = environment.parse_assignments(request.env)
         port = free_port()
