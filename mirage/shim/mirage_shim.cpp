@@ -378,9 +378,11 @@ static at::Tensor cpu_alias(const at::Tensor& t) {
 }
 
 // A device tensor with `geometry`'s sizes/strides/offset/dtype on `storage`.
+// ZeroTensor (autograd's storage-less zeros) must stay one: its memory is a null pointer.
 static at::Tensor on_storage(c10::Storage storage, const at::Tensor& geometry) {
-  auto impl = c10::make_intrusive<c10::TensorImpl>(
-      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CUDA), geometry.dtype());
+  c10::DispatchKeySet keys(c10::DispatchKey::CUDA);
+  if (geometry._is_zerotensor()) keys = keys.add(c10::DispatchKey::ZeroTensor);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), keys, geometry.dtype());
   impl->set_sizes_and_strides(geometry.sizes(), geometry.strides(), geometry.storage_offset());
   if (geometry.is_conj()) impl->_set_conj(true);
   if (geometry.is_neg()) impl->_set_neg(true);
@@ -632,6 +634,13 @@ static std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input
   return {out, mask.to(at::kBool)};
 }
 
+static bool no_cudnn_ctc_loss(const at::Tensor&, const at::Tensor&, c10::IntArrayRef, c10::IntArrayRef, int64_t) {
+  return false;
+}
+static bool no_cudnn_ctc_loss_tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
+  return false;
+}
+
 }  // namespace mirage
 
 TORCH_LIBRARY_IMPL(_, CUDA, m) {
@@ -651,6 +660,14 @@ TORCH_LIBRARY_IMPL(aten, CUDA, m) {
   m.impl("set_.source_Tensor", TORCH_FN(mirage::set_source_tensor));
   m.impl("set_", TORCH_FN(mirage::set_empty));
   m.impl("native_dropout", TORCH_FN(mirage::native_dropout));
+  // A composite whose CUDA branch calls kernels a CPU build lacks (slow 3d / transposed conv):
+  // run the CPU composite on CPU views instead.
+  m.impl("convolution_backward", torch::CppFunction::makeFromBoxedFunction<&mirage::fallback>());
+  // There is no cuDNN/MIOpen behind the emulated device: ctc_loss takes its native path.
+  m.impl("_use_cudnn_ctc_loss", TORCH_FN(mirage::no_cudnn_ctc_loss));
+  m.impl("_use_cudnn_ctc_loss.Tensor", TORCH_FN(mirage::no_cudnn_ctc_loss_tensor));
+  m.impl("_use_miopen_ctc_loss", TORCH_FN(mirage::no_cudnn_ctc_loss));
+  m.impl("_use_miopen_ctc_loss.Tensor", TORCH_FN(mirage::no_cudnn_ctc_loss_tensor));
 }
 
 // ---------------------------------------------------------------- collectives
