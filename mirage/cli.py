@@ -69,6 +69,16 @@ def _build_parser() -> _Parser:
     run.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                      help="set a variable in the workload's environment (repeatable)")
     run.add_argument("--workdir", metavar="DIR", help="run the command in DIR")
+    mode = run.add_mutually_exclusive_group()
+    mode.add_argument("--daemon", dest="in_process", action="store_false",
+                      help="host the session service (the default): shared GPU memory, smi, flight recorder")
+    mode.add_argument("--in-process", dest="in_process", action="store_true",
+                      help="no session service: each process keeps its own device state")
+    run.set_defaults(in_process=False)
+    run.add_argument("--hang-timeout", type=float, default=300.0, metavar="SECONDS",
+                     help="end the session when ranks wait this long in a collective (default 300)")
+    run.add_argument("--quiet", action="store_true", help="no summary table at the end")
+    run.add_argument("--summary-json", metavar="PATH", help="write the end-of-session summary as JSON")
     run.add_argument("--clear-env-vars", action="store_true",
                      help="start from an almost empty environment (PATH, HOME, USER, LANG, ...)")
 
@@ -148,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(["run", *flags])
         request = launcher.RunRequest(
             command=command, profile=args.profile, gpus_per_node=args.gpus_per_node,
-            num_nodes=args.num_nodes, nproc_per_node=args.nproc_per_node,
+            num_nodes=args.num_nodes, nproc_per_node=args.nproc_per_node, in_process=args.in_process,
+            hang_timeout=args.hang_timeout, quiet=args.quiet, summary_json=args.summary_json,
             env=args.env, workdir=args.workdir, clear_env=args.clear_env_vars,
         )
         try:

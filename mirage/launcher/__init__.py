@@ -24,6 +24,9 @@ from pathlib import Path
 
 from mirage import profiles
 from mirage.launcher import environment
+from mirage.daemon.flight_recorder import FlightRecorder
+from mirage.daemon.service import SessionService
+from mirage.launcher import summary
 from mirage.launcher.supervisor import Supervisor, stdin_has_input
 from mirage.shim import build as shim_build
 
@@ -57,6 +60,10 @@ class RunRequest:
     env: list[str] = field(default_factory=list)
     workdir: str | None = None
     clear_env: bool = False
+    in_process: bool = False
+    hang_timeout: float = 300.0
+    quiet: bool = False
+    summary_json: str | None = None
 
 
 def runtime_root() -> Path:
@@ -174,6 +181,8 @@ def run_session(request: RunRequest) -> int:
     supervisor.arm_signals()
     session_dir = runtime_root() / session_id
     session_dir.mkdir(mode=0o700)
+    service: SessionService | None = None
+    exit_code = 1
     try:
         shim = ensure_shim()
         scratch = session_dir / "tmp"
@@ -192,6 +201,28 @@ def run_session(request: RunRequest) -> int:
         }
         user = environment.parse_assignments(request.env)
         port = free_port()
+        per_node = request.nproc_per_node or 1
+
+        def node_environment(node: int, exec_lease: bool = False) -> dict[str, str]:
+            place = Placement(node, 0, node * per_node, request.num_nodes * per_node)
+            env = environment.build(emulator=emulator, user=user, clear=request.clear_env,
+                                    identity=identity(session_id, session_dir, place, request.num_nodes, port))
+            if exec_lease:
+                env["MIRAGE_EXEC"] = "1"
+            return env
+
+        if not request.in_process:
+            def diagnosis(report: str, code: int) -> None:
+                narrate(report)
+                narrate(f"ending the session (exit code {code})")
+                supervisor.abort(code)
+
+            recorder = FlightRecorder(request.hang_timeout, diagnosis)
+            service = SessionService(session_id, session_dir, profile.name, profile.torch_name, profile.memory_bytes,
+                                     request.num_nodes, gpus, lambda node: node_environment(node, True), recorder)
+            service.start()
+            recorder.start()
+            emulator.update(service.environment())
         single = len(processes) == 1
         if not single and stdin_has_input():
             narrate("stdin has input, but no rank of a multi-process job reads stdin")
@@ -208,11 +239,23 @@ def run_session(request: RunRequest) -> int:
                                  label=None if single else str(place.rank))
             except FileNotFoundError:
                 narrate(f"command not found: {request.command[0]}")
-                return 127
+                exit_code = 127
+                return exit_code
             except PermissionError:
                 narrate(f"command is not executable: {request.command[0]}")
-                return 126
-        return supervisor.wait()
+                exit_code = 126
+                return exit_code
+        exit_code = supervisor.wait()
+        if service is not None:
+            service.wait_for_leases(narrate)
+        return exit_code
     finally:
         supervisor.teardown()
+        if service is not None:
+            service.stop()
+            report = summary.build(service, supervisor.exit_codes, exit_code)
+            if not request.quiet:
+                print(summary.render(report), file=sys.stderr, flush=True)
+            if request.summary_json:
+                summary.write(report, request.summary_json)
         shutil.rmtree(session_dir, ignore_errors=True)

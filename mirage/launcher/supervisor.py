@@ -46,6 +46,8 @@ class Supervisor:
     ladder_step: int = 0
     kill_deadline: float | None = None
     _terminal_fd: int | None = None
+    forced_exit_code: int | None = None
+    exit_codes: dict[str, int] = field(default_factory=dict)  # label -> shell exit code
 
     def arm_signals(self) -> None:
         """Installs the handlers; called before bring-up so no signal falls through."""
@@ -104,7 +106,8 @@ class Supervisor:
                 if child.poll() is not None:
                     pending.remove(child)
                     code = shell_exit_code(child.returncode)
-                    if code and not exit_code:
+                    self.exit_codes[self.labels.get(child.pid, "0")] = code
+                    if code and not exit_code and self.forced_exit_code is None:
                         exit_code = code
                         if pending and self.kill_deadline is None:
                             who = self.labels.get(child.pid, str(child.pid))
@@ -119,7 +122,13 @@ class Supervisor:
                 time.sleep(0.05)
         for pump in self.pumps:
             pump.join(timeout=5)
-        return exit_code
+        return self.forced_exit_code if self.forced_exit_code is not None else exit_code
+
+    def abort(self, exit_code: int) -> None:
+        """Ends the job with `exit_code` (a diagnosis, not a workload failure, decided it)."""
+        self.forced_exit_code = exit_code
+        self.signal_all(signal.SIGTERM)
+        self.kill_deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
 
     def signal_all(self, sig: int) -> None:
         for child in self.children:

@@ -6,7 +6,7 @@ shim with RTLD_GLOBAL, lets the real import run, and then installs the Python ha
 (`mirage.runtime.torch_cuda`). Processes that never import torch never load anything.
 
 Environment read (exported by `mirage run`): MIRAGE_SHIM_PATH, MIRAGE_PROFILE (a profile TOML
-path), MIRAGE_NUM_GPUS.
+path), MIRAGE_NUM_GPUS, and with a session service MIRAGE_SOCKET / MIRAGE_SHM.
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ class _TorchImportHook(importlib.abc.MetaPathFinder):
         run_torch_init = spec.loader.exec_module
 
         def exec_module(module: ModuleType) -> None:
-            run_torch_init(module)
-            from mirage.runtime import torch_cuda
+            from mirage.runtime import session, torch_cuda
 
+            session.attach()
+            run_torch_init(module)
             torch_cuda.install(module)
 
         spec.loader.exec_module = exec_module

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from mirage.runtime import session
+
 _EMULATED_DEVICE_MAP = "cpu:gloo,cuda:gloo"
 
 
@@ -138,6 +140,66 @@ def _add_reduce_op_emulation(dist: ModuleType, c10d: ModuleType) -> None:
     wrap("reduce_scatter_tensor", op_at=2, group_at=3, input_at=1, output_at=0)
 
 
+_RECORDED = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+             "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier")
+_sequence: dict[str, int] = {}
+
+
+def _call_site() -> str:
+    """The first frame outside torch and mirage: where the user's code called the collective."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if f"{os.sep}torch{os.sep}" not in name and f"{os.sep}mirage{os.sep}" not in name:
+            return f"{name}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
+
+
+def _tensors_of(args) -> list:
+    import torch
+
+    found = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(t for t in a if isinstance(t, torch.Tensor))
+    return found
+
+
+def _add_flight_recording(dist: ModuleType, c10d: ModuleType) -> None:
+    """Tells the session's flight recorder when each collective starts and returns."""
+    for name in _RECORDED:
+        collective = getattr(c10d, name)
+
+        def recorded(*args, _collective=collective, _name=name, **kwargs):
+            group = kwargs.get("group") or next((a for a in args if isinstance(a, c10d.ProcessGroup)), None)
+            pg = group or c10d._get_default_group()
+            seq = _sequence[pg.group_name] = _sequence.get(pg.group_name, -1) + 1
+            tensors = _tensors_of(args)
+            rank = c10d.get_rank()
+            reduce_op = kwargs.get("op")
+            session.send({
+                "op": "collective", "phase": "enter", "rank": rank, "group": pg.group_name, "seq": seq,
+                "group_ranks": c10d.get_process_group_ranks(pg), "name": _name,
+                "dtype": str(tensors[0].dtype).removeprefix("torch.") if tensors else None,
+                "shapes": [list(t.shape) for t in tensors[:4]], "numel": sum(t.numel() for t in tensors),
+                "bytes": sum(t.numel() * t.element_size() for t in tensors),
+                "reduce_op": str(reduce_op).removeprefix("RedOpType.") if reduce_op is not None else None,
+                "callsite": _call_site(),
+            })
+            try:
+                return _collective(*args, **kwargs)
+            finally:
+                session.send({"op": "collective", "phase": "exit", "rank": rank})
+
+        recorded.__wrapped__ = collective
+        recorded.__doc__ = collective.__doc__
+        setattr(c10d, name, recorded)
+        setattr(dist, name, recorded)
+
+
 def install(torch: ModuleType) -> None:
     """Wires emulated NCCL into torch.distributed. Called right after `import torch`."""
     import torch.distributed as dist
@@ -166,4 +228,6 @@ def install(torch: ModuleType) -> None:
         c10d.Backend.GLOO if _steer_to_gloo(backend) else backend)
     c10d.is_nccl_available = dist.is_nccl_available = lambda: True
     _add_reduce_op_emulation(dist, c10d)
+    if session.connected():
+        _add_flight_recording(dist, c10d)
     atexit.register(_tear_down_at_exit, c10d)

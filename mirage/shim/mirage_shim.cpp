@@ -32,6 +32,12 @@
 #include <torch/csrc/distributed/c10d/reducer_timer.hpp>
 #include <torch/library.h>
 
+#include <fcntl.h>
+#include <pthread.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -88,42 +94,151 @@ static std::string format_size(int64_t bytes) {
   return buf;
 }
 
-[[noreturn]] static void raise_oom(DeviceIndex dev, int64_t requested, int64_t in_use) {
+// ---------------------------------------------------------------- session-wide accounting
+
+// With a session service, every process on an emulated GPU draws on one capacity: the run
+// process creates a shared table (MIRAGE_SHM; layout in mirage/daemon/shared_table.py) that
+// every process maps. Each process adds to its own slot (no round trip to the service, no
+// writer but the owner); a GPU's use is the sum over the slots on its node.
+struct SharedTable {
+  int64_t* words = nullptr;
+  int64_t gpus_per_node = 0, max_slots = 0, node = 0;
+  int64_t* slot = nullptr;  // this process's slot: [pid, node, rank, reserved, bytes per GPU...]
+
+  static constexpr int64_t kMagic = 0x6d6972616765;  // "mirage"
+  static constexpr int64_t kHeader = 8, kSlotHead = 4, kHighWater = 6;
+  int64_t* gpu_peak(DeviceIndex dev) const { return words + kHeader + node * gpus_per_node + dev; }
+  int64_t* slot_at(int64_t i) const {
+    return words + kHeader + words[2] * gpus_per_node + i * (kSlotHead + gpus_per_node);
+  }
+  static std::atomic_ref<int64_t> at(int64_t* p) { return std::atomic_ref<int64_t>(*p); }
+};
+static SharedTable g_shared;
+
+// Claims a free slot (pid 0 -> ours). Also run in a forked child, which must not share its
+// parent's slot.
+static void claim_slot() {
+  if (!g_shared.words) return;
+  int64_t pid = static_cast<int64_t>(getpid());
+  g_shared.slot = nullptr;
+  for (int64_t i = 0; i < g_shared.max_slots; ++i) {
+    int64_t* candidate = g_shared.slot_at(i);
+    int64_t expected = 0;
+    if (SharedTable::at(candidate).compare_exchange_strong(expected, pid)) {
+      for (int64_t d = 0; d < g_shared.gpus_per_node; ++d) SharedTable::at(candidate + SharedTable::kSlotHead + d).store(0);
+      candidate[1] = g_shared.node;
+      const char* rank = std::getenv("RANK");
+      candidate[2] = rank ? std::atoll(rank) : -1;
+      auto high_water = SharedTable::at(g_shared.words + SharedTable::kHighWater);
+      int64_t seen = high_water.load();
+      while (i + 1 > seen && !high_water.compare_exchange_weak(seen, i + 1)) {
+      }
+      g_shared.slot = candidate;
+      return;
+    }
+  }
+}
+
+static void attach_shared_table() {
+  const char* path = std::getenv("MIRAGE_SHM");
+  if (!path || !*path) return;
+  int fd = open(path, O_RDWR);
+  if (fd < 0) return;  // the session is gone: keep private counters
+  struct stat st {};
+  fstat(fd, &st);
+  void* base = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (base == MAP_FAILED) return;
+  auto* words = static_cast<int64_t*>(base);
+  if (words[0] != SharedTable::kMagic) return;
+  g_shared.words = words;
+  g_shared.gpus_per_node = words[3];
+  g_shared.max_slots = words[4];
+  const char* node = std::getenv("MIRAGE_NODE_RANK");
+  g_shared.node = node ? std::atoll(node) : 0;
+  claim_slot();
+  pthread_atfork(nullptr, nullptr, &claim_slot);
+}
+
+// Bytes of device `dev` in use by every process of the session (or by this one alone).
+static int64_t device_in_use(DeviceIndex dev) {
+  if (!g_shared.words) return g_counters[dev].allocated.load(std::memory_order_relaxed);
+  int64_t total = 0, slots = SharedTable::at(g_shared.words + SharedTable::kHighWater).load(std::memory_order_relaxed);
+  for (int64_t i = 0; i < slots; ++i) {
+    int64_t* other = g_shared.slot_at(i);
+    if (other[1] == g_shared.node) total += SharedTable::at(other + SharedTable::kSlotHead + dev).load(std::memory_order_relaxed);
+  }
+  return total;
+}
+
+[[noreturn]] static void raise_oom(DeviceIndex dev, int64_t requested) {
   const Config& cfg = config();
   const char* api = cfg.amd ? "HIP" : "CUDA";
-  int64_t free_bytes = std::max<int64_t>(cfg.capacity - in_use, 0);
+  int64_t mine = g_counters[dev].allocated.load();
+  int64_t free_bytes = std::max<int64_t>(cfg.capacity - device_in_use(dev), 0);
+  std::string others;
+  if (g_shared.words) {
+    int64_t slots = SharedTable::at(g_shared.words + SharedTable::kHighWater).load();
+    for (int64_t i = 0; i < slots; ++i) {
+      int64_t* other = g_shared.slot_at(i);
+      int64_t pid = SharedTable::at(other).load();
+      int64_t bytes = SharedTable::at(other + SharedTable::kSlotHead + dev).load();
+      if (pid == 0 || other == g_shared.slot || other[1] != g_shared.node || bytes == 0) continue;
+      others += "Process " + std::to_string(pid) + " has " + format_size(bytes) + " memory in use. ";
+    }
+  }
   TORCH_CHECK_WITH(OutOfMemoryError, false,
       api, " out of memory. Tried to allocate ", format_size(requested), ". GPU ", static_cast<int>(dev),
       " has a total capacity of ", format_size(cfg.capacity), " of which ", format_size(free_bytes),
-      " is free. Including non-PyTorch memory, this process has ", format_size(in_use),
-      " memory in use. Of the allocated memory ", format_size(in_use),
+      " is free. ", others, "Including non-PyTorch memory, this process has ", format_size(mine),
+      " memory in use. Of the allocated memory ", format_size(mine),
       " is allocated by PyTorch, and 0 bytes is reserved by PyTorch but unallocated. If reserved but "
       "unallocated memory is large try setting PYTORCH_", api,
       "_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory "
       "Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)");
 }
 
+static void raise_peak(std::atomic_ref<int64_t> peak, int64_t now) {
+  int64_t seen = peak.load(std::memory_order_relaxed);
+  while (now > seen && !peak.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
+  }
+}
+
 // Charges `n` bytes to `dev`; raises OutOfMemoryError (charging nothing) if over capacity.
 static void charge(DeviceIndex dev, int64_t n) {
+  const int64_t capacity = config().capacity;
+  if (g_shared.slot) {
+    auto mine = SharedTable::at(g_shared.slot + SharedTable::kSlotHead + dev);
+    mine.fetch_add(n, std::memory_order_relaxed);
+    int64_t now = device_in_use(dev);
+    if (capacity > 0 && now > capacity) {
+      mine.fetch_sub(n, std::memory_order_relaxed);
+      raise_oom(dev, n);
+    }
+    raise_peak(SharedTable::at(g_shared.gpu_peak(dev)), now);
+  }
   DeviceCounters& c = g_counters[dev];
-  int64_t now = c.allocated.fetch_add(n, std::memory_order_relaxed) + n;
-  if (config().capacity > 0 && now > config().capacity) {
+  int64_t mine = c.allocated.fetch_add(n, std::memory_order_relaxed) + n;
+  if (!g_shared.slot && capacity > 0 && mine > capacity) {
     c.allocated.fetch_sub(n, std::memory_order_relaxed);
-    raise_oom(dev, n, now - n);
+    raise_oom(dev, n);
   }
   int64_t peak = c.peak.load(std::memory_order_relaxed);
-  while (now > peak && !c.peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  while (mine > peak && !c.peak.compare_exchange_weak(peak, mine, std::memory_order_relaxed)) {
   }
   c.num_allocs.fetch_add(1, std::memory_order_relaxed);
   c.bytes_allocated_total.fetch_add(n, std::memory_order_relaxed);
 }
 
 static void refund(DeviceIndex dev, int64_t n) {
+  if (g_shared.slot) SharedTable::at(g_shared.slot + SharedTable::kSlotHead + dev).fetch_sub(n, std::memory_order_relaxed);
   DeviceCounters& c = g_counters[dev];
   c.allocated.fetch_sub(n, std::memory_order_relaxed);
   c.num_frees.fetch_add(1, std::memory_order_relaxed);
   c.bytes_freed_total.fetch_add(n, std::memory_order_relaxed);
 }
+
+static const int g_attached = (attach_shared_table(), 0);
 
 // ---------------------------------------------------------------- current device and streams
 
@@ -159,7 +274,15 @@ struct DeviceMemoryAllocator final : c10::DeviceAllocator {
     DeviceIndex dev = fixed_device >= 0 ? fixed_device : tl_device;
     if (n == 0) return c10::DataPtr(nullptr, c10::Device(DeviceType::CUDA, dev));
     charge(dev, static_cast<int64_t>(n));
-    void* base = c10::alloc_cpu(n + kHeader);
+    void* base = nullptr;
+    try {
+      base = c10::alloc_cpu(n + kHeader);
+    } catch (const c10::Error&) {
+      refund(dev, static_cast<int64_t>(n));
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "mirage: the host could not back ", format_size(static_cast<int64_t>(n)),
+          " of emulated GPU ", static_cast<int>(dev), " memory (host RAM exhausted; the emulated GPU had room). "
+          "Fix: use smaller tensors, fewer ranks, or a machine with more RAM.");
+    }
     auto* h = static_cast<BlockHeader*>(base);
     h->nbytes = static_cast<int64_t>(n);
     h->device = dev;
@@ -204,7 +327,7 @@ struct DeviceMemoryAllocator final : c10::DeviceAllocator {
   std::pair<size_t, size_t> getMemoryInfo(DeviceIndex dev) override {
     check_index(dev);
     int64_t cap = config().capacity;
-    return {static_cast<size_t>(std::max<int64_t>(cap - g_counters[dev].allocated.load(), 0)),
+    return {static_cast<size_t>(std::max<int64_t>(cap - device_in_use(dev), 0)),
             static_cast<size_t>(cap)};
   }
 };

@@ -42,6 +42,7 @@ START = time.time()
 SAMPLES_PER_OP = int(os.environ.get("OP_SWEEP_SAMPLES", "3"))
 BUDGET_S = float(os.environ.get("OP_SWEEP_BUDGET_S", "900"))
 SAMPLE_LIMIT_S = float(os.environ.get("OP_SWEEP_SAMPLE_S", "60"))
+STARTUP_S = 120  # extra allowance for a worker to import torch and op_db
 VERBOSE = os.environ.get("OP_SWEEP_VERBOSE") == "1"
 ONLY = {n for n in os.environ.get("OP_SWEEP_OPS", "").split(",") if n}
 
@@ -61,14 +62,15 @@ SKIP: dict[str, str] = {}
 # ================================================================ driver (no torch here)
 
 def drive() -> int:
-    stats = {"passed": 0, "failed": 0, "excluded_cpu_failure": 0, "ops_run": 0, "workers": 0,
-             "grads_compared": 0}
+    stats = {"passed": 0, "failed": 0, "excluded_cpu_failure": 0, "workers": 0, "grads_compared": 0}
     failures: list[dict] = []
     excluded: list[dict] = []
+    incidents: list[str] = []  # worker deaths outside any sample (e.g. while importing torch)
     skipped: dict[str, str] = {}
     random_ops: set[str] = set()
     not_reached: list[str] = []
     ops: dict[int, tuple[str, str]] = {}
+    ops_run: set[int] = set()
     resume = (0, 0)  # (op index, sample index) the next worker starts at
     done = False
     while not done:
@@ -78,14 +80,17 @@ def drive() -> int:
             [sys.executable, os.path.abspath(__file__), "--worker", str(write_fd), str(resume[0]), str(resume[1]),
              str(START)], pass_fds=(write_fd,), stdout=sys.stderr, stderr=sys.stderr)
         os.close(write_fd)
-        in_flight = None   # (op index, sample index, phase, started) or ("gen", op index, started)
-        last = resume
+        in_flight = None   # (op index, sample index, phase) or ("gen"/"gen_device", op index)
+        last = resume      # where to resume if the worker dies between samples
+        # Silence longer than the limit ends the worker, wherever it is; starting (importing
+        # torch and op_db) gets a fixed allowance on top.
+        deadline = time.time() + SAMPLE_LIMIT_S + STARTUP_S
         buffer = ""
         hung = False
         while True:
             ready, _, _ = select.select([read_fd], [], [], 1.0)
             if not ready:
-                if in_flight is not None and time.time() - in_flight[-1] > SAMPLE_LIMIT_S:
+                if time.time() > deadline:
                     hung = True
                     worker.kill()
                     break
@@ -93,6 +98,7 @@ def drive() -> int:
             chunk = os.read(read_fd, 65536).decode()
             if not chunk:
                 break
+            deadline = time.time() + SAMPLE_LIMIT_S
             buffer += chunk
             *lines, buffer = buffer.split("\n")
             for line in lines:
@@ -100,21 +106,22 @@ def drive() -> int:
                 kind = ev["ev"]
                 if kind in ("gen", "gen_device"):
                     ops[ev["i"]] = (ev["op"], ev["variant"])
-                    in_flight = (kind, ev["i"], time.time())
+                    in_flight = (kind, ev["i"])
                 elif kind == "op":
-                    stats["ops_run"] += not ev["resumed"]
+                    ops_run.add(ev["i"])
                     if ev["random"]:
                         random_ops.add(ev["op"])
                     in_flight = None
+                    last = max(last, (ev["i"], 0))
                 elif kind == "skip":
                     skipped[ev["key"]] = ev["why"]
                     in_flight = None
                 elif kind == "unreached":
                     not_reached.append(ev["key"])
                 elif kind == "begin":
-                    in_flight = (ev["i"], ev["s"], "cpu", time.time())
+                    in_flight = (ev["i"], ev["s"], "cpu")
                 elif kind == "phase":
-                    in_flight = (in_flight[0], in_flight[1], ev["phase"], in_flight[3])
+                    in_flight = (in_flight[0], in_flight[1], ev["phase"])
                 elif kind == "end":
                     in_flight = None
                     last = (ev["i"], ev["s"] + 1)
@@ -137,28 +144,27 @@ def drive() -> int:
         if done:
             break
         # The worker died (or was ended) in the middle of something: record it, move past it.
-        cause = (f"no result after {SAMPLE_LIMIT_S:.0f}s" if hung else
+        cause = (f"no progress for {SAMPLE_LIMIT_S:.0f}s" if hung else
                  f"worker died: {signal.Signals(-rc).name}" if rc < 0 else f"worker exited with {rc}")
         error = "Hang" if hung else "Crash"
         if in_flight is None:
-            failures.append({"op": "?", "variant": "", "sample": -1, "check": "worker",
-                             "error": error, "message": f"{cause} between samples (after {last})"})
-            stats["failed"] += 1
-            resume = last
-            if rc != 0 and stats["workers"] > 50:
+            incidents.append(f"{error}: {cause}, outside any sample (resuming at op #{last[0]}, sample {last[1]})")
+            if incidents.count(incidents[-1]) >= 3:  # dies at the same place every time
+                not_reached.append(f"op #{last[0]} onwards: {incidents[-1]}")
                 break
+            resume = last
         elif in_flight[0] == "gen":  # making CPU samples: not a device problem
             op, variant = ops[in_flight[1]]
             skipped[f"{op}.{variant}" if variant else op] = f"CPU sample generation: {cause}"
             resume = (in_flight[1] + 1, 0)
         elif in_flight[0] == "gen_device":  # OpInfo making samples on the device
-            stats["failed"] += 1
             op, variant = ops[in_flight[1]]
+            stats["failed"] += 1
             failures.append({"op": op, "variant": variant, "sample": -1, "check": "sample_inputs",
                              "error": error, "message": f"{cause} making samples on the device"})
             resume = (in_flight[1] + 1, 0)
         else:
-            i, s, phase = in_flight[:3]
+            i, s, phase = in_flight
             op, variant = ops.get(i, ("?", ""))
             if phase == "cpu":
                 stats["excluded_cpu_failure"] += 1
@@ -167,17 +173,15 @@ def drive() -> int:
             else:
                 stats["failed"] += 1
                 check = "backward" if "backward" in phase else "forward"
-                where = {"device": "running", "backward": "running", "compare_forward": "comparing",
-                         "compare_backward": "comparing"}[phase]
+                where = "comparing" if phase.startswith("compare") else "running"
                 entry = {"op": op, "variant": variant, "sample": s, "check": check, "error": error,
                          "message": f"{cause} ({where} on the device)"}
                 failures.append(entry)
                 if VERBOSE:
                     print(f"FAIL {entry}", file=sys.stderr, flush=True)
             resume = (i, s + 1)
-        if stats["workers"] > 60:  # something is badly wrong; do not loop forever
-            failures.append({"op": "?", "variant": "", "sample": -1, "check": "worker", "error": "GaveUp",
-                             "message": "too many worker restarts"})
+        if stats["workers"] > 100:  # something is badly wrong; do not loop forever
+            not_reached.append(f"op #{resume[0]} onwards: too many worker restarts")
             break
     total = stats["passed"] + stats["failed"]
     summary = {
@@ -187,10 +191,11 @@ def drive() -> int:
         "total": total,
         "fraction": round(stats["passed"] / total, 4) if total else 0.0,
         "excluded_cpu_failure": stats["excluded_cpu_failure"],
-        "ops_run": stats["ops_run"],
+        "ops_run": len(ops_run),
         "grads_compared": stats["grads_compared"],
         "samples_per_op": SAMPLES_PER_OP,
         "workers_started": stats["workers"],
+        "worker_incidents": incidents,
         "seconds": round(time.time() - START, 1),
         "random_ops_shape_only": sorted(random_ops),
         "skipped": skipped,
@@ -232,30 +237,38 @@ def is_random(op) -> bool:
 
 # ---------------------------------------------------------------- moving samples
 
-def move(x, device: str, leaves: list, stays_on_cpu=None):
+def move(x, device: str, leaves: list, stays_on_cpu=None, moved: list | None = None):
     """A copy of a sample's structure on `device`: tensors detached and copied (so that no run
     mutates the shared sample), requires_grad re-enabled on copies of tensors that had it
     (appended to `leaves`, in traversal order); `device="cpu"` arguments follow the move.
     `stays_on_cpu`: an iterator of one bool per tensor (traversal order), True for a tensor the
-    op wants on the CPU even for device samples (e.g. tensor_split's indices tensor)."""
+    op wants on the CPU even for device samples (e.g. tensor_split's indices tensor).
+    `moved` collects one entry per tensor or device argument actually put on the device."""
+    moved = [] if moved is None else moved
     if isinstance(x, torch.Tensor):
         keep = next(stays_on_cpu) if stays_on_cpu is not None else False
         with torch.no_grad():
-            y = x.detach().clone() if device == "cpu" or keep else x.detach().to(device)
+            if device == "cpu" or keep:
+                y = x.detach().clone()
+            else:
+                y = x.detach().to(device)
+                moved.append(y)
         if x.requires_grad:
             y.requires_grad_(True)
             leaves.append(y)
         return y
-    if isinstance(x, torch.device):
-        return torch.device(device) if x.type == "cpu" else x
-    if isinstance(x, str) and x == "cpu":
+    if isinstance(x, torch.device) and x.type == "cpu" and device != "cpu":
+        moved.append(x)
+        return torch.device(device)
+    if isinstance(x, str) and x == "cpu" and device != "cpu":
+        moved.append(x)
         return device
     if isinstance(x, list):
-        return [move(v, device, leaves, stays_on_cpu) for v in x]
+        return [move(v, device, leaves, stays_on_cpu, moved) for v in x]
     if isinstance(x, tuple) and type(x) is tuple:
-        return tuple(move(v, device, leaves, stays_on_cpu) for v in x)
+        return tuple(move(v, device, leaves, stays_on_cpu, moved) for v in x)
     if isinstance(x, dict):
-        return {k: move(v, device, leaves, stays_on_cpu) for k, v in x.items()}
+        return {k: move(v, device, leaves, stays_on_cpu, moved) for k, v in x.items()}
     return x
 
 
@@ -343,7 +356,9 @@ def on_cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu")
 
 
-def compare_leaves(cpu: list, dev: list, *, shape_only: bool, what: str) -> None:
+def compare_leaves(cpu: list, dev: list, *, shape_only: bool, what: str, expected: str) -> None:
+    """Leaf by leaf. A tensor the CPU run returns on the CPU must come back on `expected` from
+    the device run; values are compared on the CPU (shape/dtype only for random ops)."""
     if len(cpu) != len(dev):
         raise Mismatch(f"{what}: structure differs ({len(cpu)} vs {len(dev)} leaves)")
     for i, (c, d) in enumerate(zip(cpu, dev)):
@@ -351,8 +366,8 @@ def compare_leaves(cpu: list, dev: list, *, shape_only: bool, what: str) -> None
         if isinstance(c, torch.Tensor) or isinstance(d, torch.Tensor):
             if not (isinstance(c, torch.Tensor) and isinstance(d, torch.Tensor)):
                 raise Mismatch(f"{where}: {type(c).__name__} on CPU, {type(d).__name__} on device")
-            if c.device.type == "cpu" and d.device != torch.device(DEVICE):
-                raise WrongDevice(f"{where}: result on {d.device}, expected {DEVICE}")
+            if c.device.type == "cpu" and d.device != torch.device(expected):
+                raise WrongDevice(f"{where}: result on {d.device}, expected {expected}")
             if shape_only:
                 if c.shape != d.shape or c.dtype != d.dtype or c.layout != d.layout:
                     raise Mismatch(f"{where}: {tuple(c.shape)}/{c.dtype} on CPU, "
@@ -362,7 +377,8 @@ def compare_leaves(cpu: list, dev: list, *, shape_only: bool, what: str) -> None
                 torch.testing.assert_close(on_cpu(d), on_cpu(c), equal_nan=True,
                                            check_device=False, check_layout=True)
             except AssertionError as e:
-                raise Mismatch(f"{where}: {first_line(e)}") from None
+                detail = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+                raise Mismatch(f"{where}: {detail}") from None
         elif isinstance(c, tuple) and c and c[0] in ("seq", "dict"):
             if c != d:
                 raise Mismatch(f"{where}: structure {c} on CPU, {d} on device")
@@ -391,12 +407,14 @@ def differentiable(t) -> bool:
 
 def run(op, sample, device: str, placement: list[bool] | None = None):
     """Forward (and, where possible, backward) of one sample on `device`.
-    Returns (flat outputs, output aliasing, gradients or None, backward error)."""
+    Returns (flat outputs, output aliasing, gradients or None, backward error, expected
+    device of the outputs)."""
     leaves: list = []
     keep = iter(placement) if placement is not None and device != "cpu" else None
-    inp = move(sample.input, device, leaves, keep)
-    args = move(sample.args, device, leaves, keep)
-    kwargs = move(sample.kwargs, device, leaves, keep)
+    moved: list = []
+    inp = move(sample.input, device, leaves, keep, moved)
+    args = move(sample.args, device, leaves, keep, moved)
+    kwargs = move(sample.kwargs, device, leaves, keep, moved)
     inputs = input_tensors([inp, args, kwargs])
     torch.manual_seed(SEED)
     result = op(inp, *args, **kwargs)
@@ -414,24 +432,26 @@ def run(op, sample, device: str, placement: list[bool] | None = None):
                 grads = list(torch.autograd.grad(loss, leaves, allow_unused=True))
         except Exception as e:  # noqa: BLE001
             grad_error = e
-    return flat, alias, grads, grad_error
+    # Results belong on the device if anything was put there (a factory op given no device
+    # makes CPU tensors on both runs).
+    return flat, alias, grads, grad_error, DEVICE if moved else "cpu"
 
 
 def check_sample(op, sample, random_op: bool, placement: list[bool] | None):
     """Returns (status, check, error, gradients compared): status 'excluded' (the sample fails
     on the CPU; error is the CPU's), 'passed' or 'failed' (check: 'forward' or 'backward')."""
     try:
-        cpu_flat, cpu_alias, cpu_grads, cpu_grad_error = run(op, sample, "cpu")
+        cpu_flat, cpu_alias, cpu_grads, cpu_grad_error, _ = run(op, sample, "cpu")
     except Exception as e:  # noqa: BLE001
         return "excluded", None, e, False
     tell(ev="phase", phase="device")
     try:
-        dev_flat, dev_alias, dev_grads, dev_grad_error = run(op, sample, DEVICE, placement)
+        dev_flat, dev_alias, dev_grads, dev_grad_error, expected = run(op, sample, DEVICE, placement)
     except Exception as e:  # noqa: BLE001
         return "failed", "forward", e, False
     tell(ev="phase", phase="compare_forward")
     try:
-        compare_leaves(cpu_flat, dev_flat, shape_only=random_op, what="output")
+        compare_leaves(cpu_flat, dev_flat, shape_only=random_op, what="output", expected=expected)
         if not random_op and cpu_alias != dev_alias:
             raise Mismatch(f"output aliasing differs: outputs share memory with inputs "
                            f"{cpu_alias} on CPU, {dev_alias} on device")
@@ -447,7 +467,7 @@ def check_sample(op, sample, random_op: bool, placement: list[bool] | None):
             raise Mismatch("no differentiable outputs on device")
         cpu_g = [g if g is not None else "none" for g in cpu_grads]
         dev_g = [g if g is not None else "none" for g in dev_grads]
-        compare_leaves(cpu_g, dev_g, shape_only=random_op, what="grad")
+        compare_leaves(cpu_g, dev_g, shape_only=random_op, what="grad", expected=expected)
     except Exception as e:  # noqa: BLE001
         return "failed", "backward", e, True
     return "passed", None, None, True
@@ -495,8 +515,7 @@ def work(fd: int, first_op: int, first_sample: int, started: float) -> int:
                 op.sample_inputs(DEVICE, torch.float32, requires_grad=op.supports_autograd), SAMPLES_PER_OP))
         except Exception:  # noqa: BLE001 - then every tensor moves
             device_samples = []
-        tell(ev="op", i=index, op=op.name, variant=op.variant_test_name, random=random_op,
-             resumed=index == first_op and first_sample > 0)
+        tell(ev="op", i=index, op=op.name, variant=op.variant_test_name, random=random_op)
         for s, sample in enumerate(samples):
             if index == first_op and s < first_sample:
                 continue
@@ -506,7 +525,7 @@ def work(fd: int, first_op: int, first_sample: int, started: float) -> int:
             failure = None
             if error is not None:
                 failure = {"op": op.name, "variant": op.variant_test_name, "sample": s, "check": check,
-                           "error": type(error).__name__, "message": first_line(error, 160 if check else 100)}
+                           "error": type(error).__name__, "message": first_line(error, 300 if check else 120)}
             tell(ev="end", i=index, s=s, status=status, failure=failure, grads=grads)
     tell(ev="done")
     return 0

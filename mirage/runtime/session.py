@@ -1,0 +1,71 @@
+"""Attaches a workload process to its session's service (see mirage/daemon/service.py).
+
+The connection stays open for the life of the process: it is the registration, and if it
+closes from the far end the service is gone, so this process stops at once ("mirage daemon
+died") rather than hang in a collective no peer will ever join.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+
+_connection: socket.socket | None = None
+_send_lock = threading.Lock()
+
+
+def _die(reason: str) -> None:
+    sys.stdout.flush()
+    print(f"mirage: mirage daemon died ({reason}); stopping pid {os.getpid()} "
+          f"(rank {os.environ.get('RANK', '-')}). Fix: rerun the job; `mirage cleanup` reclaims leftovers.",
+          file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _watch(connection: socket.socket) -> None:
+    """Blocks until the service closes the connection (it never sends anything else)."""
+    try:
+        while connection.recv(1):
+            pass
+    except OSError:
+        pass
+    if _connection is connection:
+        _die("its socket closed")
+
+
+def attach() -> None:
+    """Registers this process with the session service, if the session has one."""
+    global _connection
+    path = os.environ.get("MIRAGE_SOCKET")
+    if not path or _connection is not None:
+        return
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(path)
+    except OSError:
+        _die(f"nothing answers on {path}")
+    rank = None if os.environ.get("MIRAGE_EXEC") else os.environ.get("RANK")
+    hello = {"op": "hello", "pid": os.getpid(), "rank": int(rank) if rank is not None else None,
+             "node": int(os.environ.get("MIRAGE_NODE_RANK", "0"))}
+    connection.sendall((json.dumps(hello) + "\n").encode())
+    _connection = connection
+    threading.Thread(target=_watch, args=(connection,), name="mirage-daemon-watch", daemon=True).start()
+
+
+def send(message: dict) -> None:
+    """One-way message to the service (flight-recorder entries); never blocks on a reply."""
+    if _connection is None:
+        return
+    data = (json.dumps(message) + "\n").encode()
+    with _send_lock:
+        try:
+            _connection.sendall(data)
+        except OSError:
+            pass
+
+
+def connected() -> bool:
+    return _connection is not None
