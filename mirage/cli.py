@@ -3,6 +3,11 @@
 Usage:
     mirage run [--profile P] [--gpus-per-node N] [--num-nodes M] [--nproc-per-node K]
                [--env K=V]... [--workdir DIR] [--clear-env-vars] -- CMD ARGS...
+    mirage ps [--json]                         live sessions
+    mirage smi [--session ID] [--json] [--watch [SECONDS]]
+    mirage exec [--session ID] [--node N] -- CMD ARGS...
+    mirage cleanup [--dry-run]                 reclaim what SIGKILLed runs left
+    mirage paths [--json]
     mirage profiles [--json]
     mirage profiles show NAME|PATH [--json]
 
@@ -24,6 +29,7 @@ import sys
 from dataclasses import asdict
 
 from mirage import launcher, profiles
+from mirage.launcher import sessions
 
 
 def _all_flags(parser: argparse.ArgumentParser) -> list[str]:
@@ -82,6 +88,23 @@ def _build_parser() -> _Parser:
     run.add_argument("--clear-env-vars", action="store_true",
                      help="start from an almost empty environment (PATH, HOME, USER, LANG, ...)")
 
+    ps = commands.add_parser("ps", help="list live sessions", allow_abbrev=False)
+    ps.add_argument("--json", action="store_true", help="print JSON")
+    smi = commands.add_parser("smi", help="GPUs, memory, processes and collectives of a live session",
+                              allow_abbrev=False)
+    smi.add_argument("--session", metavar="ID", help="the session (default: the latest live one)")
+    smi.add_argument("--json", action="store_true", help="print JSON")
+    smi.add_argument("--watch", type=float, nargs="?", const=1.0, metavar="SECONDS",
+                     help="refresh every SECONDS (default 1)")
+    execute = commands.add_parser("exec", help="run a command in a live session with a node's identity",
+                                  allow_abbrev=False)
+    execute.add_argument("--session", metavar="ID", help="the session (default: the latest live one)")
+    execute.add_argument("--node", type=int, default=0, metavar="N", help="the node whose identity to take")
+    clean = commands.add_parser("cleanup", help="reclaim what SIGKILLed runs left behind", allow_abbrev=False)
+    clean.add_argument("--dry-run", action="store_true", help="only show what would be reclaimed")
+    where = commands.add_parser("paths", help="print the directories mirage uses", allow_abbrev=False)
+    where.add_argument("--json", action="store_true", help="print JSON")
+
     shown = commands.add_parser("profiles", help="list device profiles", allow_abbrev=False)
     shown.add_argument("--json", action="store_true", help="print JSON")
     show_commands = shown.add_subparsers(dest="profiles_command", parser_class=_Parser)
@@ -135,6 +158,20 @@ def _print_profile(name: str, as_json: bool) -> int:
     return 0
 
 
+def _session_command(action, as_json: bool) -> int:
+    """Runs a command against a live session; a missing session is a one-line error, exit 1."""
+    try:
+        return action()
+    except sessions.SessionError as err:
+        if as_json:
+            print(json.dumps({"error": str(err)}), file=sys.stderr)
+        else:
+            print(f"mirage: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
 def _split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
     """Splits `run` arguments at the first `--`; (flags, command or None when no `--`)."""
     if "--" in argv:
@@ -170,7 +207,23 @@ def main(argv: list[str] | None = None) -> int:
         except launcher.LaunchError as err:
             print(f"mirage: {err}", file=sys.stderr)
             return 1
+    if argv and argv[0] == "exec":
+        flags, command = _split_command(argv[1:])
+        if not command:
+            parser.error("no command to run; put it after `--`: mirage exec --node 1 -- python")
+        args = parser.parse_args(["exec", *flags])
+        return _session_command(lambda: sessions.exec_in_session(args.session, args.node, command), False)
     args = parser.parse_args(argv)
+    if args.command == "ps":
+        found = sessions.live_sessions()
+        print(json.dumps(found, indent=2) if args.json else sessions.ps_table(found))
+        return 0
+    if args.command == "smi":
+        return _session_command(lambda: sessions.smi(args.session, args.json, args.watch), args.json)
+    if args.command == "cleanup":
+        return sessions.cleanup(args.dry_run)
+    if args.command == "paths":
+        return sessions.paths(args.json)
     if args.command == "profiles":
         if args.profiles_command == "show":
             return _print_profile(args.name, args.json)

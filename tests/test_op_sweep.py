@@ -3,7 +3,7 @@
 Runs tests/workloads/op_sweep.py under `mirage run --gpus-per-node 2` (every float32 OpInfo,
 its first 3 sample inputs: outputs, output devices, aliasing and input gradients compared with
 the CPU's) and checks the pass fraction. Run with `pytest -s` to see the fraction and every
-failure.
+failing op. About 25 s on 2 cores.
 """
 
 import json
@@ -18,20 +18,15 @@ MIN_FRACTION = 0.95
 # Ops whose failures are understood: {op name: reason}. A failure of an op not listed here
 # fails the test only if the overall fraction drops below MIN_FRACTION.
 KNOWN_FAILURES = {
-    "nn.functional.conv1d": "convolution_backward (CompositeExplicitAutograd) picks the CUDA slow-conv "
-                            "backend for device tensors and calls a DispatchStub with no CUDA kernel",
-    "nn.functional.conv2d": "as conv1d: convolution_backward's DispatchStub has no CUDA kernel",
-    "nn.functional.conv3d": "as conv1d: convolution_backward's DispatchStub has no CUDA kernel",
-    "nn.functional.conv_transpose1d": "as conv1d: convolution_backward's DispatchStub has no CUDA kernel",
-    "nn.functional.conv_transpose2d": "as conv1d: convolution_backward's DispatchStub has no CUDA kernel",
-    "nn.functional.conv_transpose3d": "as conv1d: convolution_backward's DispatchStub has no CUDA kernel",
-    "nn.functional.ctc_loss": "ctc_loss asks aten::_use_cudnn_ctc_loss, which has only a CUDA kernel "
-                              "(none on the CPU for the fallback to reach)",
-    "sgn": "backward of sgn on a real input yields an autograd ZeroTensor; the fallback maps it back as "
-           "an ordinary device tensor over a null pointer (reading it segfaults)",
-    "to_sparse": "sparse results are not mapped back to the device (the fallback maps strided only)",
-    "sparse.sampled_addmm": "sparse CSR device tensors: no fallback for the SparseCsrCUDA key",
-    "sparse.mm": "sparse CSR device tensors: no fallback for the SparseCsrCUDA key",
+    # Sparse tensors: the shim's fallback serves the dense CUDA key only.
+    "to_sparse": "the sparse (COO/CSR) result of the CPU kernel is handed back as a CPU tensor: "
+                 "the fallback's map_back re-labels strided results only",
+    "sparse.sampled_addmm": "no kernel/fallback for the SparseCsrCUDA dispatch key",
+    "sparse.mm": "no kernel/fallback for the SparseCsrCUDA dispatch key (_sparse_mm_reduce_impl)",
+    # Seen only with OP_SWEEP_SAMPLES=all (later samples than the default first 3):
+    "nn.functional.scaled_dot_product_attention": "device takes the math backend (the _fused_sdp_choice "
+                            "DispatchStub has no CUDA entry), the CPU flash_attention_for_cpu; "
+                            "up to 4e-5 apart",
 }
 
 
@@ -67,8 +62,8 @@ def test_opinfo_sweep_on_emulated_gpu():
     assert result.returncode == 0, f"sweep exited {result.returncode}: {result.stderr[-3000:]}"
     assert summary["total"] > 0 and summary["ops_run"] >= 400, headline
     unknown = sorted(op for op in by_op if op not in KNOWN_FAILURES)
-    assert fraction >= MIN_FRACTION, f"{headline}; below {MIN_FRACTION}; unlisted failures: {unknown}"
-    # Every failure is either a known one, or the fraction still holds (checked above): unlisted
-    # failures are reported, not fatal.
     if unknown:
-        print(f"  unlisted failing ops (fraction still >= {MIN_FRACTION}): {unknown}")
+        print(f"  failing ops not in KNOWN_FAILURES: {unknown}")
+    assert fraction >= MIN_FRACTION, f"{headline}; below {MIN_FRACTION}; failing ops not in KNOWN_FAILURES: {unknown}"
+    # Every failure is a known one, or the overall fraction still holds.
+    assert not unknown or fraction >= MIN_FRACTION, headline

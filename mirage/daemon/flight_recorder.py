@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 DESYNC_EXIT_CODE = 123
+# Collectives whose tensors must be the same size on every rank (the others may differ:
+# uneven all_to_all splits, a gather's root passing the only output list).
+SAME_SIZE = {"all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+             "reduce_scatter_tensor"}
 HANG_EXIT_CODE = 124
 
 
@@ -58,7 +62,8 @@ class FlightRecorder:
             key = (entry["group"], entry["seq"])
             first = self.first_at.setdefault(key, entry)
             if first is not entry and not self.failed:
-                mismatch = [k for k in ("name", "dtype", "numel") if first.get(k) != entry.get(k)]
+                compared = ("name", "dtype", "numel") if entry.get("name") in SAME_SIZE else ("name", "dtype")
+                mismatch = [k for k in compared if first.get(k) != entry.get(k)]
                 if mismatch:
                     self.failed = True
                     report = (

@@ -18,11 +18,15 @@ _send_lock = threading.Lock()
 
 
 def _die(reason: str) -> None:
-    sys.stdout.flush()
-    print(f"mirage: mirage daemon died ({reason}); stopping pid {os.getpid()} "
-          f"(rank {os.environ.get('RANK', '-')}). Fix: rerun the job; `mirage cleanup` reclaims leftovers.",
-          file=sys.stderr, flush=True)
-    os._exit(1)
+    try:  # our output may go to the dead run process: a broken pipe must not stop the exit
+        sys.stdout.flush()
+        print(f"mirage: mirage daemon died ({reason}); stopping pid {os.getpid()} "
+              f"(rank {os.environ.get('RANK', '-')}). Fix: rerun the job; `mirage cleanup` reclaims leftovers.",
+              file=sys.stderr, flush=True)
+    except Exception:
+        pass
+    finally:
+        os._exit(1)
 
 
 def _watch(connection: socket.socket) -> None:

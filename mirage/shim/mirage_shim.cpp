@@ -783,9 +783,12 @@ TORCH_LIBRARY_IMPL(aten, CUDA, m) {
   m.impl("set_.source_Tensor", TORCH_FN(mirage::set_source_tensor));
   m.impl("set_", TORCH_FN(mirage::set_empty));
   m.impl("native_dropout", TORCH_FN(mirage::native_dropout));
-  // A composite whose CUDA branch calls kernels a CPU build lacks (slow 3d / transposed conv):
-  // run the CPU composite on CPU views instead.
-  m.impl("convolution_backward", torch::CppFunction::makeFromBoxedFunction<&mirage::fallback>());
+  // Composites that pick a CUDA-only backend for device tensors (depthwise, slow 3d and
+  // transposed convolutions, whose CUDA kernels a CPU build lacks): run the CPU composite on
+  // CPU views instead, so the CPU's own algorithm choice (and numbers) apply.
+  for (const char* name : {"convolution", "_convolution", "convolution_backward"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&mirage::fallback>());
+  }
   // There is no cuDNN/MIOpen behind the emulated device: ctc_loss takes its native path.
   m.impl("_use_cudnn_ctc_loss", TORCH_FN(mirage::no_cudnn_ctc_loss));
   m.impl("_use_cudnn_ctc_loss.Tensor", TORCH_FN(mirage::no_cudnn_ctc_loss_tensor));

@@ -1,0 +1,173 @@
+"""Commands that act on sessions from outside: ps, smi, exec, cleanup, paths.
+
+A session is found by its socket (`<runtime root>/<session id>/mirage.sock`): one that answers
+a status request is live; a directory whose socket does not answer was left by a run that was
+SIGKILLed, and is what `mirage cleanup` reclaims (its stranded processes, found by the
+MIRAGE_SESSION in their environment, its shared-memory table, its directory).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mirage.daemon import shared_table
+from mirage.daemon.service import SOCKET_NAME, request
+from mirage.launcher import runtime_root
+from mirage.launcher.supervisor import session_processes
+from mirage.shim.build import cache_root
+
+
+class SessionError(Exception):
+    """No session, or not the one asked for (exit code 1); the message names the fix."""
+
+
+def live_sessions() -> list[dict]:
+    """Status of every session whose service answers, oldest first."""
+    found = []
+    for directory in sorted(runtime_root().iterdir()):
+        socket_path = directory / SOCKET_NAME
+        if socket_path.exists():
+            try:
+                found.append(request(socket_path, {"op": "status"}, timeout=2.0))
+            except (OSError, ValueError):
+                continue
+    return found
+
+
+def pick(session_id: str | None) -> dict:
+    """The named live session, or the only/latest one."""
+    sessions = live_sessions()
+    if session_id:
+        for status in sessions:
+            if status["session"] == session_id:
+                return status
+        raise SessionError(f"no run is serving session {session_id}; `mirage ps` lists live sessions")
+    if not sessions:
+        raise SessionError("no live mirage session; start one with `mirage run ...`")
+    return sessions[-1]
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
+
+
+def ps_table(sessions: list[dict]) -> str:
+    rows = [("SESSION", "RUN PID", "PROFILE", "NODES x GPUS", "PROCESSES", "UPTIME")]
+    for s in sessions:
+        rows.append((s["session"], str(s["run_pid"]), s["profile"], f"{s['num_nodes']} x {s['gpus_per_node']}",
+                     str(len(s["processes"])), f"{time.time() - s['started']:.0f} s"))
+    return _table(rows)
+
+
+def smi_table(status: dict) -> str:
+    header = (f"mirage smi - session {status['session']} ({status['profile']}, "
+              f"{status['num_nodes']} node(s) x {status['gpus_per_node']} GPUs)")
+    rows = [("NODE", "GPU", "NAME", "MEMORY USED / TOTAL", "PROCESSES (pid:rank)")]
+    for g in status["gpus"]:
+        users = " ".join(f"{p['pid']}:{p['rank'] if p['rank'] is not None else '-'}" for p in g["processes"]) or "-"
+        rows.append((str(g["node"]), str(g["gpu"]), g["name"], f"{_size(g['used_bytes'])} / {_size(g['total_bytes'])}", users))
+    ranks = [("RANK", "PID", "NODE", "LAST COLLECTIVE")]
+    for p in status["processes"]:
+        ranks.append((str(p["rank"]) if p["rank"] is not None else "-", str(p["pid"]), str(p["node"]),
+                      p["last_collective"] or "-"))
+    return "\n".join([header, _table(rows), "", _table(ranks)])
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def smi(session_id: str | None, as_json: bool, watch: float | None) -> int:
+    while True:
+        status = pick(session_id)
+        if as_json:
+            print(json.dumps(status, indent=2))
+        else:
+            if watch:
+                print("\033[2J\033[H", end="")
+            print(smi_table(status), flush=True)
+        if not watch:
+            return 0
+        time.sleep(watch)
+
+
+def exec_in_session(session_id: str | None, node: int, command: list[str]) -> int:
+    """Runs `command` with a node's identity in a live session, holding it open meanwhile."""
+    import socket as socket_module
+
+    status = pick(session_id)
+    socket_path = runtime_root() / status["session"] / SOCKET_NAME
+    lease = socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM)
+    lease.connect(str(socket_path))
+    lease.sendall((json.dumps({"op": "exec", "node": node}) + "\n").encode())
+    reply = json.loads(lease.makefile().readline())
+    if "error" in reply:
+        lease.close()
+        raise SessionError(reply["error"])
+    try:
+        child = subprocess.Popen(command, env=reply["env"])
+    except FileNotFoundError:
+        lease.close()
+        raise SessionError(f"command not found: {command[0]}") from None
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda s, _f: child.send_signal(s))
+    code = child.wait()
+    lease.close()
+    return 128 - code if code < 0 else code
+
+
+def stale_sessions() -> list[Path]:
+    """Session directories whose run no longer answers."""
+    stale = []
+    for directory in sorted(runtime_root().iterdir()):
+        socket_path = directory / SOCKET_NAME
+        try:
+            request(socket_path, {"op": "status"}, timeout=2.0)
+        except (OSError, ValueError):
+            stale.append(directory)
+    return stale
+
+
+def cleanup(dry_run: bool) -> int:
+    """Reclaims what SIGKILLed runs left; never touches a session whose run answers."""
+    actions = []
+    stale_ids = {d.name for d in stale_sessions()}
+    for session_id in sorted(stale_ids):
+        for pid in session_processes(session_id):
+            actions.append((f"kill process {pid} (session {session_id})", lambda pid=pid: os.kill(pid, signal.SIGKILL)))
+        directory = runtime_root() / session_id
+        actions.append((f"remove {directory}", lambda d=directory: shutil.rmtree(d, ignore_errors=True)))
+    live_ids = {s["session"] for s in live_sessions()}
+    for table in sorted(shared_table.SHM_DIR.glob(f"{shared_table.PREFIX}{os.getuid()}-*")):
+        session_id = table.name.split("-", 2)[2]
+        if session_id not in live_ids:
+            actions.append((f"remove {table}", lambda t=table: t.unlink(missing_ok=True)))
+    if not actions:
+        print("mirage cleanup: nothing to reclaim")
+        return 0
+    for description, act in actions:
+        print(("would " if dry_run else "") + description)
+        if not dry_run:
+            try:
+                act()
+            except OSError as err:
+                print(f"  failed: {err}", file=sys.stderr)
+    return 0
+
+
+def paths(as_json: bool) -> int:
+    found = {"runtime": str(runtime_root()), "cache": str(cache_root()), "shared_memory": str(shared_table.SHM_DIR)}
+    if as_json:
+        print(json.dumps(found, indent=2))
+    else:
+        for key, value in found.items():
+            print(f"{key:14} {value}")
+    return 0

@@ -1,0 +1,176 @@
+"""The session service: shared GPU memory, smi/ps/exec, desync and hang diagnosis, lifecycle."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import REPO, mirage
+from mirage import profiles
+
+SHM = Path("/dev/shm")
+
+
+def tiny_profile(tmp_path: Path, memory_bytes: int = 2**30) -> str:
+    path = tmp_path / "tiny.toml"
+    text = (profiles.DATA_DIR / "mi300x.toml").read_text()
+    path.write_text(text.replace("memory_bytes = 205822885888", f"memory_bytes = {memory_bytes}"))
+    return str(path)
+
+
+def start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "mirage", "run", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def session_of(proc: subprocess.Popen) -> str:
+    line = proc.stderr.readline()
+    assert line.startswith("mirage: session "), line
+    return line.split()[2]
+
+
+def leftovers(session: str) -> list:
+    found = [p for p in SHM.glob(f"mirage-*-{session}")]
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if f"MIRAGE_SESSION={session}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+SHARED = (
+    "import os, torch, torch.distributed as dist\n"
+    "dist.init_process_group('gloo')\n"
+    "x = torch.empty(400 * 2**20, dtype=torch.uint8, device='cuda:0')\n"
+    "dist.barrier()\n"
+    "free, total = torch.cuda.mem_get_info(0)\n"
+    "print('in use', (total - free) // 2**20, flush=True)\n"
+    "dist.barrier()\n"
+    "if dist.get_rank() == 0:\n"
+    "    try:\n"
+    "        torch.empty(400 * 2**20, dtype=torch.uint8, device='cuda:0')\n"
+    "    except torch.cuda.OutOfMemoryError as e:\n"
+    "        print('OOM', str(e), flush=True)\n"
+    "dist.barrier()\n"
+)
+
+
+def test_processes_on_one_gpu_share_its_capacity(tmp_path):
+    result = mirage("run", "--profile", tiny_profile(tmp_path), "--nproc-per-node", "2", "--gpus-per-node", "2",
+                    "--quiet", "--", "python", "-c", SHARED)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("in use 800") == 2
+    oom = [line for line in result.stdout.splitlines() if " OOM " in line]
+    assert oom, result.stdout
+    assert "GPU 0 has a total capacity of 1.00 GiB of which 224.00 MiB is free" in oom[0]
+    assert "has 400.00 MiB memory in use. Including non-PyTorch memory, this process has 400.00 MiB" in oom[0]
+
+
+def test_in_process_mode_keeps_memory_per_process(tmp_path):
+    result = mirage("run", "--in-process", "--profile", tiny_profile(tmp_path), "--nproc-per-node", "2",
+                    "--gpus-per-node", "2", "--", "python", "-c", SHARED)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("in use 400") == 2 and " OOM " not in result.stdout
+    assert "summary" not in result.stderr
+
+
+def test_smi_ps_and_exec_on_a_live_session():
+    script = ("import os, time, torch, torch.distributed as dist\n"
+              "rank = int(os.environ['RANK']); torch.cuda.set_device(rank)\n"
+              "dist.init_process_group('nccl')\nx = torch.ones(2**20, device='cuda')\ndist.all_reduce(x)\n"
+              "print('ready', flush=True)\ntime.sleep(20)\n")
+    proc = start("--num-nodes", "2", "--nproc-per-node", "1", "--gpus-per-node", "2", "--", "python", "-c", script)
+    try:
+        session = session_of(proc)
+        assert proc.stdout.readline().endswith("ready\n") and proc.stdout.readline().endswith("ready\n")
+        listed = json.loads(mirage("ps", "--json").stdout)
+        assert session in [s["session"] for s in listed]
+        status = json.loads(mirage("smi", "--session", session, "--json").stdout)
+        assert status["num_nodes"] == 2 and len(status["gpus"]) == 4
+        node1_gpu1 = [g for g in status["gpus"] if (g["node"], g["gpu"]) == (1, 1)][0]
+        assert node1_gpu1["used_bytes"] == 4 * 2**20 and node1_gpu1["processes"][0]["rank"] == 1
+        assert all("all_reduce" in p["last_collective"] for p in status["processes"])
+        table = mirage("smi", "--session", session).stdout
+        assert "AMD Instinct MI350X" in table and "LAST COLLECTIVE" in table
+        seen = mirage("exec", "--session", session, "--node", "1", "--", "python", "-c",
+                      "import os, torch; free, total = torch.cuda.mem_get_info(1); "
+                      "print(os.environ['MIRAGE_NODE_RANK'], (total - free) // 2**20)")
+        assert seen.stdout.split() == ["1", "4"], seen.stderr
+    finally:
+        proc.kill()
+        proc.wait()
+        mirage("cleanup")
+
+
+def test_desync_is_reported_at_once_naming_both_calls():
+    result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", "tests/workloads/desync.py",
+                    timeout=120)
+    assert result.returncode == 123
+    assert "collective desync in group '0' at sequence number 1 (different numel)" in result.stderr
+    assert "shapes=[[8]]) at" in result.stderr and "shapes=[[4]]) at" in result.stderr
+    assert "tests/workloads/desync.py:11" in result.stderr
+
+
+def test_hang_reports_who_waits_and_who_never_arrived():
+    result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--hang-timeout", "2", "--",
+                    "python", "tests/workloads/hang.py", timeout=120)
+    assert result.returncode == 124
+    assert "hang: ranks [0] have waited more than 2 s in #1 all_reduce" in result.stderr
+    assert "rank 1 never arrived; its last collective: all_reduce" in result.stderr
+
+
+def test_summary_table_and_json(tmp_path):
+    path = tmp_path / "summary.json"
+    result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--summary-json", str(path), "--",
+                    "python", "tests/fixtures/ml/dist_smoke.py")
+    assert result.returncode == 0, result.stderr
+    assert "summary (exit code 0)" in result.stderr and "collectives" in result.stderr
+    report = json.loads(path.read_text())
+    assert [p["exit_code"] for p in report["processes"]] == [0, 0]
+    assert {c["rank"]: c["count"] for c in report["collectives"]} == {0: 1, 1: 1}
+    assert all(g["peak_bytes"] == 4 for g in report["gpus"])
+
+
+def test_ranks_fail_fast_when_the_daemon_dies():
+    script = "import time, torch\nprint('attached', flush=True)\ntime.sleep(60)\n"
+    proc = start("--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", "-c", script)
+    session = session_of(proc)
+    assert proc.stdout.readline().endswith("attached\n") and proc.stdout.readline().endswith("attached\n")
+    workers = [p for p in leftovers(session) if isinstance(p, int)]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
+              for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [pid for pid in workers if Path(f"/proc/{pid}").exists()
+             and "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]]
+    assert alive == [], "ranks outlived their daemon"
+    dry = mirage("cleanup", "--dry-run")
+    assert f"would remove /dev/shm/mirage-{os.getuid()}-{session}" in dry.stdout
+    mirage("cleanup")
+    assert leftovers(session) == []
+
+
+def test_sigkill_at_random_moments_leaves_nothing_after_cleanup():
+    """50 rounds; each kills `mirage run` with SIGKILL at a random moment of its life."""
+    rng = random.Random(1234)
+    deadline = time.monotonic() + 240
+    for round_number in range(50):
+        assert time.monotonic() < deadline, f"too slow: {round_number} rounds"
+        proc = start("--nproc-per-node", "2", "--gpus-per-node", "2", "--quiet", "--", "python", "-c",
+                     "import time; time.sleep(30)")
+        session = session_of(proc)
+        time.sleep(rng.uniform(0, 0.6))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        mirage("cleanup")
+        assert leftovers(session) == [], f"round {round_number}"
+        assert not list(SHM.glob(f"mirage-*-{session}"))
