@@ -139,15 +139,17 @@ def _print_profiles(as_json: bool) -> int:
     return 0
 
 
+def _report_error(message: str, as_json: bool) -> int:
+    """A mirage-level error on stderr (`{"error": ...}` for --json callers); exit code 1."""
+    print(json.dumps({"error": message}) if as_json else f"mirage: {message}", file=sys.stderr)
+    return 1
+
+
 def _print_profile(name: str, as_json: bool) -> int:
     try:
         profile = profiles.load(name)
     except profiles.ProfileError as err:
-        if as_json:
-            print(json.dumps({"error": str(err)}), file=sys.stderr)
-        else:
-            print(f"mirage: {err}", file=sys.stderr)
-        return 1
+        return _report_error(str(err), as_json)
     if as_json:
         print(json.dumps(_profile_json(profile), indent=2))
         return 0
@@ -163,11 +165,7 @@ def _session_command(action, as_json: bool) -> int:
     try:
         return action()
     except sessions.SessionError as err:
-        if as_json:
-            print(json.dumps({"error": str(err)}), file=sys.stderr)
-        else:
-            print(f"mirage: {err}", file=sys.stderr)
-        return 1
+        return _report_error(str(err), as_json)
     except KeyboardInterrupt:
         return 130
 

@@ -47,6 +47,10 @@ def build() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.exists():
             return target
+        # cpp_extension serialises builds with a "lock" file of its own that a killed build
+        # leaves behind, after which every build waits forever. Holding our flock, we are the
+        # only builder, so any such file is stale.
+        (target.parent / "lock").unlink(missing_ok=True)
         import torch.utils.cpp_extension as cpp_extension
 
         torch_lib = Path(cpp_extension.TORCH_LIB_PATH)

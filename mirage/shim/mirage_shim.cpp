@@ -552,6 +552,24 @@ static void sync_back(const at::Tensor& orig, const at::Tensor& alias) {
 
 // ---------------------------------------------------------------- the boxed fallback
 
+// Applies `fn` to every tensor of a Tensor[] or Tensor[][] value, in place.
+template <class Fn>
+static void map_tensor_lists(c10::IValue& iv, Fn&& fn) {
+  if (iv.isTensorList()) {
+    auto list = iv.toTensorList();
+    for (size_t j = 0; j < list.size(); ++j) list[j] = fn(list[j]);
+    iv = std::move(list);
+  } else if (iv.isList()) {
+    auto outer = iv.toList();
+    for (size_t j = 0; j < outer.size(); ++j) {
+      c10::IValue inner = outer.get(j);
+      if (!inner.isTensorList()) return;
+      map_tensor_lists(inner, fn);
+      outer.set(j, std::move(inner));
+    }
+  }
+}
+
 struct Aliased {
   at::Tensor orig;
   at::Tensor alias;
@@ -599,9 +617,7 @@ static void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::
     if (iv.isTensor()) {
       iv = convert(iv.toTensor(), false);
     } else if (iv.isTensorList()) {
-      auto list = iv.toTensorList();
-      for (size_t j = 0; j < list.size(); ++j) list[j] = convert(list[j], false);
-      iv = std::move(list);
+      map_tensor_lists(iv, [&](const at::Tensor& t) { return convert(t, false); });
     } else if (iv.isOptionalTensorList()) {
       // Index lists: real CUDA accepts CPU index tensors here.
       auto list = iv.toOptionalTensorList();
@@ -610,16 +626,8 @@ static void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::
         if (e.has_value()) list[j] = convert(*e, true);
       }
       iv = std::move(list);
-    } else if (iv.isList()) {
-      // Tensor[][] (c10d's allgather / reduce_scatter outputs).
-      auto outer = iv.toList();
-      for (size_t j = 0; j < outer.size(); ++j) {
-        c10::IValue inner = outer.get(j);
-        if (!inner.isTensorList()) break;
-        auto list = inner.toTensorList();
-        for (size_t k = 0; k < list.size(); ++k) list[k] = convert(list[k], false);
-        outer.set(j, std::move(list));
-      }
+    } else if (iv.isList()) {  // Tensor[][] (c10d's allgather / reduce_scatter outputs)
+      map_tensor_lists(iv, [&](const at::Tensor& t) { return convert(t, false); });
     } else if (iv.isDevice()) {
       c10::Device d = iv.toDevice();
       if (d.is_cuda()) {
@@ -665,19 +673,8 @@ static void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::
     c10::IValue& iv = (*stack)[ret_base + i];
     if (iv.isTensor()) {
       iv = map_back(iv.toTensor());
-    } else if (iv.isTensorList()) {
-      auto list = iv.toTensorList();
-      for (size_t j = 0; j < list.size(); ++j) list[j] = map_back(list[j]);
-      iv = std::move(list);
-    } else if (iv.isList()) {
-      auto outer = iv.toList();
-      for (size_t j = 0; j < outer.size(); ++j) {
-        c10::IValue inner = outer.get(j);
-        if (!inner.isTensorList()) break;
-        auto list = inner.toTensorList();
-        for (size_t k = 0; k < list.size(); ++k) list[k] = map_back(list[k]);
-        outer.set(j, std::move(list));
-      }
+    } else {
+      map_tensor_lists(iv, map_back);
     }
   }
 }

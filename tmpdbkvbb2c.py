@@ -1,0 +1,2 @@
+import torch
+print('first line', flush=True)
