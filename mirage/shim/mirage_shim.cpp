@@ -834,7 +834,7 @@ static void ensure_distinct_gpus(const c10::intrusive_ptr<c10d::ProcessGroup>& p
 // A Work whose failure names the collective it belongs to.
 struct NamedWork final : c10d::Work {
   NamedWork(c10::intrusive_ptr<c10d::Work> inner, std::string what)
-      : c10d::Work(inner->retrieveOpType() == c10d::OpType::UNKNOWN ? -1 : -1, inner->retrieveOpType()),
+      : c10d::Work(-1, inner->retrieveOpType()),
         inner_(std::move(inner)), what_(std::move(what)) {}
   bool isCompleted() override { return inner_->isCompleted(); }
   bool isSuccess() const override { return inner_->isSuccess(); }
