@@ -12,6 +12,6 @@ export VENV=${VENV:-.venv-mi350}
 if [ "${SKIP_INSTALL:-0}" != "1" ]; then
   ./scripts/setup.sh
 fi
-STEPS=$STEPS "$VENV/bin/mirage" run --profile "$PROFILE" --gpus-per-node "$NPROC" \
+STEPS=$STEPS "$VENV/bin/mirage" run --quiet --profile "$PROFILE" --gpus-per-node "$NPROC" \
   -- torchrun --standalone --nproc_per_node="$NPROC" tests/fixtures/ml/ddp_mlp.py
 echo "==> PASS: DDP MLP trained on $NPROC emulated $PROFILE GPUs via torchrun"
