@@ -174,3 +174,27 @@ def test_sigkill_at_random_moments_leaves_nothing_after_cleanup():
         mirage("cleanup")
         assert leftovers(session) == [], f"round {round_number}"
         assert not list(SHM.glob(f"mirage-*-{session}"))
+
+
+def test_a_process_that_dies_returns_its_memory(tmp_path):
+    script = (
+        "import os, time, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "rank = dist.get_rank()\n"
+        "if rank == 1:\n"
+        "    x = torch.empty(600 * 2**20, dtype=torch.uint8, device='cuda:0')\n"
+        "dist.barrier()\n"
+        "if rank == 1:\n"
+        "    os._exit(0)  # dies holding 600 MiB of the 1 GiB GPU\n"
+        "for _ in range(200):\n"
+        "    if torch.cuda.mem_get_info(0)[0] >= 600 * 2**20:\n"
+        "        break\n"
+        "    time.sleep(0.05)\n"
+        "y = torch.empty(600 * 2**20, dtype=torch.uint8, device='cuda:0')\n"
+        "print('reclaimed', flush=True)\n"
+        "os._exit(0)\n"
+    )
+    result = mirage("run", "--profile", tiny_profile(tmp_path), "--nproc-per-node", "2", "--gpus-per-node", "1",
+                    "--quiet", "--", "python", "-c", script, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[0] reclaimed" in result.stdout
