@@ -124,6 +124,7 @@ def test_hang_reports_who_waits_and_who_never_arrived():
     assert result.returncode == 124
     assert "hang: ranks [0] have waited more than 2 s in #1 all_reduce" in result.stderr
     assert "rank 1 never arrived; its last collective: all_reduce" in result.stderr
+    assert 'rank 1 is now at:\n      File "' in result.stderr and 'hang.py", line 15 in <module>' in result.stderr
 
 
 def test_summary_table_and_json(tmp_path):

@@ -35,6 +35,7 @@ class FlightRecorder:
 
     hang_timeout: float
     on_failure: Callable[[str, int], None]
+    locate: Callable[[int], str | None] = lambda rank: None  # a rank's current Python stack
     first_at: dict[tuple[str, int], dict] = field(default_factory=dict)  # (group, seq) -> entry
     inside: dict[int, dict] = field(default_factory=dict)  # rank -> entry it is waiting in
     last: dict[int, dict] = field(default_factory=dict)  # rank -> its last entry
@@ -101,4 +102,8 @@ class FlightRecorder:
                     last = self.last.get(r)
                     where = describe(last) + f", sequence #{last['seq']}" if last else "no collective yet"
                     lines.append(f"  rank {r} never arrived; its last collective: {where}")
+            for r in absent:  # outside the lock: asking a rank for its stack takes a moment
+                stack = self.locate(r)
+                if stack:
+                    lines.append(f"  rank {r} is now at:\n" + "\n".join(f"      {frame}" for frame in stack.splitlines()))
             threading.Thread(target=self.on_failure, args=("\n".join(lines), HANG_EXIT_CODE), daemon=True).start()

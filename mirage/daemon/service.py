@@ -29,9 +29,10 @@ from typing import Callable
 
 from mirage.daemon import shared_table
 from mirage.daemon.flight_recorder import FlightRecorder
+from mirage.daemon.protocol import SOCKET_NAME, STACK_SIGNAL, stack_path
 
-SOCKET_NAME = "mirage.sock"
 REAP_INTERVAL_SECONDS = 0.5
+STACK_WAIT_SECONDS = 1.0
 
 
 @dataclass
@@ -168,6 +169,29 @@ class SessionService:
         return {"session": self.session_id, "run_pid": os.getpid(), "started": self.started,
                 "profile": self.profile_name, "device": self.torch_name, "num_nodes": self.num_nodes,
                 "gpus_per_node": self.gpus_per_node, "gpus": gpus, "processes": ranks}
+
+    def stack_of(self, rank: int) -> str | None:
+        """The innermost frames of a rank's main thread now (the rank dumps them on a signal)."""
+        with self._lock:
+            pids = [p.pid for p in self.processes.values() if p.rank == rank]
+        if not pids:
+            return None
+        path = stack_path(str(self.session_dir), pids[0])
+        try:
+            before = os.path.getsize(path)
+            os.kill(pids[0], STACK_SIGNAL)
+        except OSError:
+            return None
+        deadline = time.monotonic() + STACK_WAIT_SECONDS
+        while time.monotonic() < deadline and os.path.getsize(path) == before:
+            time.sleep(0.05)
+        time.sleep(0.1)  # let the dump finish
+        with open(path) as f:
+            f.seek(before)
+            dump = f.read()
+        main = dump.split("Current thread", 1)[-1]
+        frames = [line.strip() for line in main.splitlines() if line.strip().startswith("File ")]
+        return "\n".join(frames[:4]) or None
 
     # -- memory of dead processes -------------------------------------------------------------
 

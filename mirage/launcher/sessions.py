@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from mirage.daemon import shared_table
-from mirage.daemon.service import SOCKET_NAME, request
+from mirage.daemon.protocol import SOCKET_NAME
+from mirage.daemon.service import request
 from mirage.launcher import runtime_root
 from mirage.launcher.supervisor import session_processes
 from mirage.shim.build import cache_root

@@ -7,14 +7,30 @@ died") rather than hang in a collective no peer will ever join.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import socket
 import sys
 import threading
 
+from mirage.daemon.protocol import STACK_SIGNAL, stack_path
+
 _connection: socket.socket | None = None
 _send_lock = threading.Lock()
+_stack_file = None  # where this rank's stacks go when the service asks (hang reports)
+
+
+def _arm_stack_dumps() -> None:
+    global _stack_file
+    session_dir = os.environ.get("MIRAGE_RUNTIME")
+    if not session_dir:
+        return
+    try:
+        _stack_file = open(stack_path(session_dir, os.getpid()), "w")
+        faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
+    except (OSError, ValueError, RuntimeError):
+        _stack_file = None
 
 
 def _die(reason: str) -> None:
@@ -56,6 +72,7 @@ def attach() -> None:
              "node": int(os.environ.get("MIRAGE_NODE_RANK", "0"))}
     connection.sendall((json.dumps(hello) + "\n").encode())
     _connection = connection
+    _arm_stack_dumps()
     threading.Thread(target=_watch, args=(connection,), name="mirage-daemon-watch", daemon=True).start()
 
 
