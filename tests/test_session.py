@@ -28,9 +28,11 @@ def start(*args: str) -> subprocess.Popen:
 
 
 def session_of(proc: subprocess.Popen) -> str:
-    line = proc.stderr.readline()
-    assert line.startswith("mirage: session "), line
-    return line.split()[2]
+    """The session id `mirage run` announces (after any first-run shim build narration)."""
+    for line in proc.stderr:
+        if line.startswith("mirage: session "):
+            return line.split()[2]
+    raise AssertionError("mirage run announced no session")
 
 
 def leftovers(session: str) -> list:
