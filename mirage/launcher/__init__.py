@@ -221,7 +221,11 @@ def run_session(request: RunRequest) -> int:
             service = SessionService(session_id, session_dir, profile.name, profile.torch_name, profile.memory_bytes,
                                      request.num_nodes, gpus, lambda node: node_environment(node, True), recorder)
             recorder.locate = service.stack_of
-            service.start()
+            try:
+                service.start()
+            except OSError as err:
+                raise LaunchError(f"the session service could not start ({err}); it needs a writable "
+                                  f"/dev/shm and {session_dir}. Fix: free them, or run with --in-process") from None
             recorder.start()
             emulator.update(service.environment())
         single = len(processes) == 1
