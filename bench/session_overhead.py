@@ -52,7 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    with tempfile.NamedTemporaryFile("w", suffix=".py", dir=REPO, delete=False) as script:
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
         script.write(TRIVIAL)
     try:
         mirage_cmd = [sys.executable, "-m", "mirage", "run", "--quiet", "--nproc-per-node", "8", "--gpus-per-node", "8",

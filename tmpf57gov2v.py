@@ -1,2 +1,0 @@
-import torch
-print('first line', flush=True)
