@@ -17,7 +17,9 @@ def test_every_collective_on_device_tensors_equals_gloo_on_cpu():
                     "python", "tests/workloads/collectives.py")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[0] collectives_ok" in result.stdout
-    for name in ("all_reduce AVG", "all_reduce PREMUL_SUM", "all_to_all_single_uneven",
+    for name in ("all_reduce AVG", "all_reduce PREMUL_SUM", "all_reduce BXOR torch.int64 x 100003",
+                 "all_reduce bitwise equal on every rank", "no shared-memory segment left in /dev/shm",
+                 "all_reduce transposed", "all_to_all_single_uneven",
                  "isend_irecv_batch", "new_subgroups all_reduce", "reduce_scatter_tensor", "barrier"):
         assert f"[0] ok {name}" in result.stdout
 
@@ -117,18 +119,30 @@ def test_two_ranks_on_one_gpu_fail_with_rccls_duplicate_gpu_error(tmp_path):
     assert "ncclInvalidUsage" in result.stderr
 
 
-def test_a_collective_no_peer_matches_fails_within_the_timeout_naming_it(tmp_path):
+@pytest.mark.parametrize("collective, env, expected", [
+    # all_reduce goes over shared memory, which names the ranks that never came
+    ("dist.all_reduce(t)", [], ["c10d::allreduce_ on a group of 2 ranks (this rank 0, group 'default_pg') "
+                                "timed out after 3000 ms: group rank(s) 1 never reached it"]),
+    # ... unless NCCL_SHM_DISABLE=1 sends it over the network (gloo), as it would NCCL's
+    ("dist.all_reduce(t)", ["--env", "NCCL_SHM_DISABLE=1"],
+     ["c10d::allreduce_ on a group of 2 ranks (this rank 0, group 'default_pg') failed:", "Timed out waiting 3000ms"]),
+    # other collectives go over gloo, whose timeout is named with the collective
+    ("dist.broadcast(t, src=0)", [], ["c10d::broadcast_ on a group of 2 ranks (this rank 0, group 'default_pg') "
+                                      "failed:", "Timed out waiting 3000ms"]),
+])
+def test_a_collective_no_peer_matches_fails_within_the_timeout_naming_it(tmp_path, collective, env, expected):
     script = tmp_path / "hang.py"
     script.write_text(
         "import datetime, os, time, torch, torch.distributed as dist\n"
         "rank = int(os.environ['RANK']); torch.cuda.set_device(rank)\n"
         "dist.init_process_group('nccl', timeout=datetime.timedelta(seconds=3))\n"
-        "t = torch.ones(2, device='cuda')\ndist.all_reduce(t)\n"
-        "if rank == 0: dist.all_reduce(t)\nelse: time.sleep(600)\n")
-    result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", str(script), timeout=120)
+        f"t = torch.ones(2, device='cuda')\n{collective}\n"
+        f"if rank == 0: {collective}\nelse: time.sleep(600)\n")
+    result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", *env, "--", "python", str(script),
+                    timeout=120)
     assert result.returncode == 1
-    assert "c10d::allreduce_ on a group of 2 ranks (this rank 0, group 'default_pg') failed" in result.stderr
-    assert "Timed out" in result.stderr
+    for text in expected:
+        assert text in result.stderr
 
 
 @pytest.mark.slow

@@ -1,9 +1,11 @@
 """Emulated NCCL/RCCL: `init_process_group("nccl")` on emulated GPUs.
 
-Transport is gloo. The shim routes every c10d op on device tensors to the CPU kernel with CPU
-views of the same memory, which hands them to the process group's CPU backend; so a gloo
-backend registered for both `cpu` and `cuda` moves device memory without a copy to a CPU
-tensor. Here, process-group creation is steered accordingly: wherever NCCL was asked for
+Transport: all_reduce of a device tensor goes through shared memory between the ranks (the
+shim's shm_allreduce.cpp; NCCL_SHM_DISABLE=1 turns it off, as it turns off NCCL's). Every other
+c10d op on device tensors goes to the CPU kernel with CPU views of the same memory, which hands
+them to the process group's CPU backend; so a gloo backend registered for both `cpu` and `cuda`
+moves device memory without a copy to a CPU tensor. Here, process-group creation is steered
+accordingly: wherever NCCL was asked for
 (`"nccl"`, the cuda default, `"cuda:nccl,cpu:gloo"`), one gloo backend serves both devices,
 while `dist.get_backend()` still answers what the user asked for.
 
@@ -49,9 +51,32 @@ def _log_nccl_init(c10d: ModuleType, pg, backend: str) -> None:
         f"comm {c10d._get_group_tag(pg) or 'default'} rank {pg.rank()} nRanks {pg.size()} "
         f"node {os.environ.get('MIRAGE_NODE_RANK', '0')} localRank {os.environ.get('LOCAL_RANK', '0')} "
         f"cudaDev {torch.cuda.current_device()} profile {Path(os.environ['MIRAGE_PROFILE']).stem} "
-        f"backend {backend} - Init COMPLETE (mirage emulated, transport gloo)",
+        f"backend {backend} - Init COMPLETE (mirage emulated, transport {_transport()})",
         file=sys.stderr, flush=True,
     )
+
+
+def _transport() -> str:
+    """What carries this communicator's collectives (see the module docstring)."""
+    if os.environ.get("NCCL_SHM_DISABLE", "0") not in ("", "0"):
+        return "gloo"
+    return "shm all_reduce, gloo"
+
+
+def _forget_groups_when_destroyed(dist: ModuleType, c10d: ModuleType, torch: ModuleType) -> None:
+    """The shim keeps each group's shared-memory segment keyed by the group's address, and holds
+    no reference to it (that would keep gloo alive into interpreter exit). Destroying a group
+    tells the shim to forget it, before its address can hold another group."""
+    destroy = c10d.destroy_process_group
+
+    def destroy_process_group(group=None):
+        doomed = list(c10d._world.pg_map) if group is None or group is c10d.GroupMember.WORLD else [group]
+        for pg in doomed:
+            torch.ops.mirage.forget_process_group(pg.group_name)
+        destroy(group)
+
+    destroy_process_group.__wrapped__ = destroy
+    c10d.destroy_process_group = dist.destroy_process_group = destroy_process_group
 
 
 def _tear_down_at_exit(c10d: ModuleType) -> None:
@@ -228,6 +253,7 @@ def install(torch: ModuleType) -> None:
         c10d.Backend.GLOO if _steer_to_gloo(backend) else backend)
     c10d.is_nccl_available = dist.is_nccl_available = lambda: True
     _add_reduce_op_emulation(dist, c10d)
+    _forget_groups_when_destroyed(dist, c10d, torch)
     if session.connected():
         _add_flight_recording(dist, c10d)
     atexit.register(_tear_down_at_exit, c10d)

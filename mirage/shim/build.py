@@ -1,6 +1,6 @@
 """Builds the device shim against the installed torch, once, and caches it.
 
-The cache key covers the shim source, the torch version and the Python version, so an upgrade
+The cache key covers the shim sources, this builder (its compiler flags), the torch version and the Python version, so an upgrade
 of either rebuilds. Building imports torch, which must happen in a process where the shim is
 NOT being loaded; the launcher therefore runs this module as `python -m mirage.shim.build` in a
 clean subprocess and reads the library path from its stdout. Concurrent builders serialise on a
@@ -16,7 +16,8 @@ import os
 import sys
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("mirage_shim.cpp")
+SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 LIBRARY_NAME = "mirage_shim"
 
 
@@ -31,7 +32,8 @@ def cache_root() -> Path:
 def library_path() -> Path:
     """The path the shim for this source + torch + Python has (or will have) once built."""
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for source in SOURCES + HEADERS + [Path(__file__)]:  # the code and how it is compiled
+        key.update(source.read_bytes())
     key.update(importlib.metadata.version("torch").encode())
     key.update(sys.version.encode())
     return cache_root() / f"shim-{key.hexdigest()[:16]}" / f"{LIBRARY_NAME}.so"
@@ -56,12 +58,12 @@ def build() -> Path:
         torch_lib = Path(cpp_extension.TORCH_LIB_PATH)
         cpp_extension.load(
             name=LIBRARY_NAME,
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             build_directory=str(target.parent),
             # The shim is loaded before `import torch`, so it must find libtorch on its own
             # (rpath) and must not drag in libtorch_python (--as-needed).
             extra_ldflags=["-Wl,--as-needed", f"-Wl,-rpath,{torch_lib}"],
-            extra_cflags=["-O2"],
+            extra_cflags=["-O3"],
             is_python_module=False,
             verbose=os.environ.get("MIRAGE_VERBOSE_BUILD") == "1",
         )

@@ -32,6 +32,8 @@
 #include <torch/csrc/distributed/c10d/reducer_timer.hpp>
 #include <torch/library.h>
 
+#include "shm_allreduce.h"
+
 #include <fcntl.h>
 #include <pthread.h>
 #include <sys/mman.h>
@@ -857,8 +859,39 @@ struct NamedWork final : c10d::Work {
   std::string what_;
 };
 
-// c10d ops on device tensors: the duplicate-GPU check, the zero-copy fallback to the CPU
-// backend, and a Work that names the collective if it fails (a timeout, a dead peer).
+// all_reduce_ of one dense device tensor: the same-host shared-memory path (shm_allreduce.cpp),
+// finished when it returns, so its Work is a completed future. False: use the gloo path.
+static bool shm_all_reduce(torch::jit::Stack* stack, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                           const std::string& what) {
+  constexpr size_t kArgs = 6;  // tensors, process_group, reduce_op, sparse_indices, async_op, timeout
+  const size_t base = stack->size() - kArgs;
+  std::vector<at::Tensor> tensors = (*stack)[base].toTensorVector();
+  if (tensors.size() != 1 || !(*stack)[base + 3].isNone()) return false;
+  const at::Tensor& t = tensors[0];
+  if (!t.is_cuda() || t.layout() != at::kStrided || !t.is_non_overlapping_and_dense() || t.is_conj() || t.is_neg()) {
+    return false;
+  }
+  auto reduce_op = (*stack)[base + 2].toCustomClass<c10d::ReduceOp>()->op_;
+  std::chrono::milliseconds timeout((*stack)[base + 5].toInt());
+  if (timeout.count() < 0) {
+    try {
+      timeout = pg->getBackend(DeviceType::CPU)->getBackendOptions()->timeout;
+    } catch (const c10::Error&) {
+      timeout = std::chrono::minutes(10);  // NCCL's default
+    }
+  }
+  if (!shm::all_reduce(pg, t.data_ptr(), t.numel(), t.scalar_type(), reduce_op, timeout, what)) return false;
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(), std::vector<c10::Device>{t.device()});
+  future->markCompleted(c10::IValue(tensors));
+  torch::jit::drop(*stack, kArgs);
+  stack->emplace_back(std::move(tensors));
+  stack->emplace_back(c10d::Work::create_from_future(future));
+  return true;
+}
+
+// c10d ops on device tensors: the duplicate-GPU check, then all_reduce over shared memory
+// where it applies, else the zero-copy fallback to the CPU backend with a Work that names the
+// collective if it fails (a timeout, a dead peer).
 static void collective_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   const auto& args = op.schema().arguments();
   const size_t base = stack->size() - args.size();
@@ -879,6 +912,9 @@ static void collective_fallback(const c10::OperatorHandle& op, c10::DispatchKeyS
   const std::string& name = op.schema().name();
   bool point_to_point = name == "c10d::send" || name == "c10d::recv_" || name == "c10d::recv_any_source_";
   if (pg && device >= 0 && !point_to_point) ensure_distinct_gpus(pg, device);
+  std::string what = pg ? name + " on a group of " + std::to_string(pg->getSize()) + " ranks (this rank " +
+      std::to_string(pg->getRank()) + ", group '" + pg->getGroupDesc() + "')" : name;
+  if (pg && name == "c10d::allreduce_" && shm_all_reduce(stack, pg, what)) return;
   fallback(op, ks, stack);
   if (!pg) return;
   const size_t num_returns = op.schema().returns().size();
@@ -886,9 +922,7 @@ static void collective_fallback(const c10::OperatorHandle& op, c10::DispatchKeyS
     c10::IValue& iv = (*stack)[i];
     if (iv.isCustomClass() && op.schema().returns()[i - (stack->size() - num_returns)].type()->str().find("Work") != std::string::npos) {
       auto work = iv.toCustomClass<c10d::Work>();
-      std::string what = name + " on a group of " + std::to_string(pg->getSize()) + " ranks (this rank " +
-          std::to_string(pg->getRank()) + ", group '" + pg->getGroupDesc() + "')";
-      iv = c10::IValue(c10::intrusive_ptr<c10d::Work>(c10::make_intrusive<NamedWork>(std::move(work), std::move(what))));
+      iv = c10::IValue(c10::intrusive_ptr<c10d::Work>(c10::make_intrusive<NamedWork>(std::move(work), what)));
     }
   }
 }
@@ -963,4 +997,6 @@ TORCH_LIBRARY(mirage, m) {
   m.def("default_generator(int device) -> Generator?", [](int64_t device) {
     return mirage::default_generator(static_cast<c10::DeviceIndex>(device));
   });
+  m.def("forget_process_group(str group_name) -> ()",
+        [](const std::string& group_name) { mirage::shm::forget_process_group(group_name); });
 }

@@ -2,6 +2,7 @@
 the same collective on CPU tensors (gloo) in the same job. Run with 4 ranks on 4 GPUs;
 rank 0 prints `ok <name>` per collective and `collectives_ok` at the end."""
 
+import glob
 import os
 import sys
 
@@ -58,6 +59,40 @@ work.wait()
 s = data(dtype=torch.int64)
 dist.all_reduce(s, group=cpu_group)
 same("all_reduce async int64", t, s)
+
+
+# all_reduce over shared memory: several chunks, a length no rank count divides, every dtype
+# family and reduce op; the results must be the very same bits on every rank. (bfloat16 data is
+# whole numbers: its sums are then exact, whatever order gloo's ring adds in; otherwise both
+# transports are equally far from the exact sum but not from each other.)
+for dtype, ops in ((torch.float32, ("SUM", "PRODUCT", "MIN", "MAX")), (torch.bfloat16, ("SUM", "MAX")),
+                   (torch.float64, ("SUM",)), (torch.int32, ("SUM", "MIN")),
+                   (torch.int64, ("BAND", "BOR", "BXOR"))):
+    for op_name in ops:
+        def big_all_reduce(make, group, dtype=dtype, op=getattr(dist.ReduceOp, op_name)):
+            values = data((100_003,), dtype=dtype, seed=7)
+            t = make(values.round() if dtype == torch.bfloat16 else values)
+            dist.all_reduce(t, op=op, group=group)
+            return t
+        both(f"all_reduce {op_name} {dtype} x 100003", big_all_reduce)
+t = data((100_003,), seed=8).to(dev)
+dist.all_reduce(t)
+replicas = [torch.empty_like(t) for _ in range(world)]
+dist.all_gather(replicas, t)
+assert all(torch.equal(r, t) for r in replicas), "ranks disagree on the all_reduce result"
+checked.append("all_reduce bitwise equal on every rank")
+work = dist.all_reduce(t, async_op=True)
+assert work.wait() and work.get_future().value()[0].device == dev
+checked.append("all_reduce future holds the device tensor")
+
+
+def all_reduce_strided(make, group):
+    t = make(data((40, 30))).t()  # not dense in row order: takes the gloo path
+    dist.all_reduce(t, group=group)
+    return t
+
+
+both("all_reduce transposed", all_reduce_strided)
 
 
 def broadcast(make, group):
@@ -170,6 +205,10 @@ dist.barrier()
 checked.append("barrier")
 assert dist.get_backend() == "nccl" and dist.is_nccl_available()
 checked.append("get_backend == nccl")
+
+# The shared-memory segments are unlinked as soon as every rank has mapped them.
+assert not glob.glob(os.environ["MIRAGE_SHM"] + ".*"), glob.glob(os.environ["MIRAGE_SHM"] + ".*")
+checked.append("no shared-memory segment left in /dev/shm")
 
 if rank == 0:
     for name in checked:

@@ -1,0 +1,351 @@
+// Same-host shared-memory all-reduce for emulated NCCL.
+//
+// Every emulated GPU of a session lives on this host, so an all-reduce needs no sockets: the
+// ranks of a process group map one /dev/shm segment, each copies its input into its own slot,
+// the reduction is split between them (reduce-scatter, then every rank copies the whole result
+// back: the split NCCL's ring makes, with memory instead of links), and a futex barrier in the
+// segment orders the steps. Gloo over TCP loopback pushes every byte through the kernel on every
+// hop; here each byte is copied in, reduced once, and copied out.
+//
+// Large tensors go through in chunks that alternate between two buffers, so a rank may fill the
+// next chunk while a slow peer still reads the previous one. Small chunks skip the split: every
+// rank reduces the whole chunk itself (one barrier instead of two). Either way each element is
+// reduced in rank order by one expression, so every rank gets the same bits.
+//
+// The segment of a group is set up once, over the group's gloo backend: rank 0 creates it under
+// a random name and broadcasts the name, the others map it, an all-reduce of "mapped" agrees on
+// using it (else the whole group stays on gloo), and rank 0 unlinks the name, so nothing is left
+// in /dev/shm whatever happens to the ranks afterwards.
+
+#include "shm_allreduce.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <ATen/Dispatch.h>
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <type_traits>
+#include <unordered_map>
+
+namespace mirage::shm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Per rank and buffer. Small enough that a chunk's slots (N x this) stay in cache from the
+// copy-in to the reduction to the copy-out; measured best overall for 2-8 ranks on 2 cores
+// (docs/benchmarks.md). A group's segment is 2 x N x this: 8 MiB for 32 ranks.
+constexpr size_t kSlotBytes = size_t{128} << 10;
+constexpr size_t kSmallChunkBytes = size_t{64} << 10;  // below this every rank reduces it all
+constexpr size_t kPage = 4096;
+
+bool supported(at::ScalarType dtype, c10d::ReduceOp::RedOpType op) {
+  using Op = c10d::ReduceOp::RedOpType;
+  bool integral = at::isIntegralType(dtype, /*includeBool=*/false);
+  switch (op) {
+    case Op::SUM:
+    case Op::PRODUCT:
+      return integral || at::isFloatingType(dtype) || at::isComplexType(dtype);
+    case Op::MIN:
+    case Op::MAX:
+      return integral || at::isFloatingType(dtype);
+    case Op::BAND:
+    case Op::BOR:
+    case Op::BXOR:
+      return integral;
+    default:
+      return false;  // AVG / PREMUL_SUM arrive as SUM (emulated in Python); others: gloo decides
+  }
+}
+
+// acc = acc (op) x, elementwise. Plain loops (vectorised by the compiler), not ATen kernels:
+// those would wake intra-op threads, and with more ranks than cores the peers need every core.
+template <typename T>
+void accumulate(T* __restrict acc, const T* __restrict x, int64_t n, c10d::ReduceOp::RedOpType op) {
+  using Op = c10d::ReduceOp::RedOpType;
+  switch (op) {
+    case Op::SUM:
+      for (int64_t i = 0; i < n; ++i) acc[i] = acc[i] + x[i];
+      return;
+    case Op::PRODUCT:
+      for (int64_t i = 0; i < n; ++i) acc[i] = acc[i] * x[i];
+      return;
+    default:
+      break;
+  }
+  if constexpr (!c10::is_complex<T>::value) {
+    // NaN wins, as in torch.minimum / torch.maximum (a != a only for NaN).
+    switch (op) {
+      case Op::MIN:
+        for (int64_t i = 0; i < n; ++i) acc[i] = (acc[i] != acc[i] || acc[i] < x[i]) ? acc[i] : x[i];
+        return;
+      case Op::MAX:
+        for (int64_t i = 0; i < n; ++i) acc[i] = (acc[i] != acc[i] || acc[i] > x[i]) ? acc[i] : x[i];
+        return;
+      default:
+        break;
+    }
+  }
+  if constexpr (std::is_integral_v<T>) {
+    switch (op) {
+      case Op::BAND:
+        for (int64_t i = 0; i < n; ++i) acc[i] &= x[i];
+        return;
+      case Op::BOR:
+        for (int64_t i = 0; i < n; ++i) acc[i] |= x[i];
+        return;
+      case Op::BXOR:
+        for (int64_t i = 0; i < n; ++i) acc[i] ^= x[i];
+        return;
+      default:
+        break;
+    }
+  }
+  TORCH_INTERNAL_ASSERT(false, "reduce op not supported by the shared-memory path");
+}
+
+void accumulate(at::ScalarType dtype, char* acc, const char* x, int64_t n, c10d::ReduceOp::RedOpType op) {
+  AT_DISPATCH_ALL_TYPES_AND_COMPLEX_AND2(at::kHalf, at::kBFloat16, dtype, "mirage_shm_all_reduce", [&] {
+    accumulate(reinterpret_cast<scalar_t*>(acc), reinterpret_cast<const scalar_t*>(x), n, op);
+  });
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+long futex(uint32_t* word, int op, uint32_t value, const timespec* timeout) {
+  return syscall(SYS_futex, word, op, value, timeout, nullptr, 0);
+}
+
+// Where a collective must be done by, and how to name it if it is not.
+struct Timing {
+  Clock::time_point deadline;
+  std::chrono::milliseconds timeout;
+  const std::string& what;
+};
+
+// Shared layout: [arrived | generation | entered[size] | buffer 0 slots | buffer 1 slots].
+// `entered[r]` counts the barriers rank r has entered, so a timeout can name who is missing.
+class Segment {
+ public:
+  Segment(void* base, size_t bytes, int rank, int size)
+      : base_(static_cast<char*>(base)), bytes_(bytes), rank_(rank), size_(size), spin_(size <= online_cpus()) {}
+  ~Segment() { munmap(base_, bytes_); }
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+
+  static size_t bytes_for(int size) { return data_offset(size) + 2 * static_cast<size_t>(size) * kSlotBytes; }
+
+  void all_reduce(char* data, int64_t numel, at::ScalarType dtype, c10d::ReduceOp::RedOpType op,
+                  std::chrono::milliseconds timeout, const std::string& what) {
+    // A timedelta.max timeout would overflow the clock: a year is forever enough.
+    timeout = std::min<std::chrono::milliseconds>(timeout, std::chrono::hours(24 * 365));
+    const Timing timing{Clock::now() + timeout, timeout, what};
+    TORCH_CHECK_WITH(DistBackendError, !timed_out_, what, ": an earlier collective of this group timed out; "
+                     "the group cannot be used again (as with NCCL after a timeout)");
+    const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
+    const int64_t chunk_elems = static_cast<int64_t>(kSlotBytes) / item;
+    for (int64_t offset = 0; offset < numel; offset += chunk_elems) {
+      const int64_t n = std::min(chunk_elems, numel - offset);
+      char* mine = data + offset * item;
+      const int buffer = static_cast<int>(chunks_++ & 1);
+      std::memcpy(slot(buffer, rank_), mine, static_cast<size_t>(n * item));
+      barrier(timing);
+      if (static_cast<size_t>(n * item) <= kSmallChunkBytes) {
+        std::memcpy(mine, slot(buffer, 0), static_cast<size_t>(n * item));
+        for (int r = 1; r < size_; ++r) accumulate(dtype, mine, slot(buffer, r), n, op);
+        continue;
+      }
+      const int64_t lo = n * rank_ / size_, hi = n * (rank_ + 1) / size_;
+      for (int r = 1; r < size_ && hi > lo; ++r) {
+        accumulate(dtype, slot(buffer, 0) + lo * item, slot(buffer, r) + lo * item, hi - lo, op);
+      }
+      barrier(timing);
+      std::memcpy(mine, slot(buffer, 0), static_cast<size_t>(n * item));
+    }
+  }
+
+ private:
+  static size_t data_offset(int size) { return (128 + 8 * static_cast<size_t>(size) + kPage - 1) / kPage * kPage; }
+  static int online_cpus() {
+    cpu_set_t set;
+    return sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+  }
+
+  uint32_t* arrived() const { return reinterpret_cast<uint32_t*>(base_); }
+  uint32_t* generation() const { return reinterpret_cast<uint32_t*>(base_ + 64); }
+  uint64_t* entered(int r) const { return reinterpret_cast<uint64_t*>(base_ + 128) + r; }
+  char* slot(int buffer, int r) const {
+    return base_ + data_offset(size_) + (static_cast<size_t>(buffer) * size_ + r) * kSlotBytes;
+  }
+
+  // A central barrier with a generation word to sleep on. Ranks that fit the CPUs spin briefly
+  // first; oversubscribed ranks (more ranks than cores, the usual case here) go straight to the
+  // futex, since spinning would only take the core from the peer being waited for.
+  void barrier(const Timing& timing) {
+    std::atomic_ref<uint32_t> gen(*generation());
+    std::atomic_ref<uint32_t> count(*arrived());
+    const uint32_t seen = gen.load(std::memory_order_acquire);
+    std::atomic_ref<uint64_t>(*entered(rank_)).store(++barriers_, std::memory_order_relaxed);
+    if (count.fetch_add(1, std::memory_order_acq_rel) + 1 == static_cast<uint32_t>(size_)) {
+      count.store(0, std::memory_order_relaxed);
+      gen.store(seen + 1, std::memory_order_release);
+      futex(generation(), FUTEX_WAKE, INT_MAX, nullptr);
+      return;
+    }
+    for (int i = 0; spin_ && i < 20000; ++i) {
+      if (gen.load(std::memory_order_acquire) != seen) return;
+      cpu_relax();
+    }
+    while (gen.load(std::memory_order_acquire) == seen) {
+      auto left = timing.deadline - Clock::now();
+      if (left <= Clock::duration::zero()) fail_timeout(timing);
+      auto wait = std::min<Clock::duration>(left, std::chrono::milliseconds(200));
+      auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(wait).count();
+      timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+      futex(generation(), FUTEX_WAIT, seen, &ts);
+    }
+  }
+
+  [[noreturn]] void fail_timeout(const Timing& timing) {
+    std::ostringstream missing;
+    const char* sep = "";
+    for (int r = 0; r < size_; ++r) {
+      if (std::atomic_ref<uint64_t>(*entered(r)).load(std::memory_order_relaxed) < barriers_) {
+        missing << sep << r;
+        sep = ", ";
+      }
+    }
+    timed_out_ = true;
+    TORCH_CHECK_WITH(DistBackendError, false, timing.what, " timed out after ", timing.timeout.count(),
+                     " ms: group rank(s) ", missing.str(),
+                     " never reached it (a rank that hung, died, or called a different collective). "
+                     "Raise `timeout=` in init_process_group/new_group if they are just slow.");
+  }
+
+  char* base_;
+  size_t bytes_;
+  int rank_, size_;
+  bool spin_;
+  uint64_t chunks_ = 0, barriers_ = 0;
+  bool timed_out_ = false;
+};
+
+// Rank 0's side of set-up: a fresh segment under a random name, sized and backed by pages
+// now (fallocate), so that a full /dev/shm is a refusal here rather than a SIGBUS later.
+std::string create_segment(int size) {
+  const char* table = std::getenv("MIRAGE_SHM");  // /dev/shm/mirage-<uid>-<session>
+  if (!table || !*table) return "";
+  std::string name = std::strrchr(table, '/') ? std::strrchr(table, '/') : "/";
+  std::random_device random;
+  name += ".allreduce-" + std::to_string((uint64_t{random()} << 32) | random());
+  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) return "";
+  bool ok = posix_fallocate(fd, 0, static_cast<off_t>(Segment::bytes_for(size))) == 0;
+  close(fd);
+  if (!ok) {
+    shm_unlink(name.c_str());
+    return "";
+  }
+  return name;
+}
+
+std::unique_ptr<Segment> map_segment(const std::string& name, int rank, int size) {
+  int fd = shm_open(name.c_str(), O_RDWR, 0600);
+  if (fd < 0) return nullptr;
+  size_t bytes = Segment::bytes_for(size);
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (base == MAP_FAILED) return nullptr;
+  return std::make_unique<Segment>(base, bytes, rank, size);
+}
+
+// Done once per group, collectively, over its gloo backend (see the file comment). Returns null
+// when the group is to stay on gloo: NCCL_SHM_DISABLE=1 (as NCCL then uses the network), no
+// session, /dev/shm too small, or any rank unable to map the segment.
+std::unique_ptr<Segment> set_up(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+  const char* disabled = std::getenv("NCCL_SHM_DISABLE");
+  if (disabled && std::strcmp(disabled, "0") != 0 && *disabled) return nullptr;
+  auto gloo = pg->getBackend(c10::DeviceType::CPU);
+  const int rank = pg->getRank(), size = pg->getSize();
+  std::string name = rank == 0 ? create_segment(size) : "";
+  // The name travels as bytes in a fixed-size tensor; an empty name means "no segment".
+  at::Tensor wire = at::zeros({256}, at::kByte);
+  std::memcpy(wire.data_ptr(), name.data(), std::min<size_t>(name.size(), 255));
+  std::vector<at::Tensor> broadcast{wire};
+  gloo->broadcast(broadcast)->wait();
+  name = reinterpret_cast<const char*>(wire.data_ptr());
+  if (name.empty()) return nullptr;
+  std::unique_ptr<Segment> segment = map_segment(name, rank, size);
+  std::vector<at::Tensor> mapped{at::full({1}, segment ? 1 : 0, at::kInt)};
+  c10d::AllreduceOptions all_mapped;
+  all_mapped.reduceOp = c10d::ReduceOp::MIN;
+  gloo->allreduce(mapped, all_mapped)->wait();
+  if (rank == 0) shm_unlink(name.c_str());
+  if (mapped[0].item<int>() == 0) return nullptr;
+  return segment;
+}
+
+struct GroupState {
+  std::string group_name;
+  std::mutex mu;  // one all-reduce at a time per group and process
+  std::unique_ptr<Segment> segment;  // null: the group uses gloo
+};
+std::mutex g_groups_mu;
+// Keyed by the ProcessGroup's address; mirage::forget_process_group drops an entry when Python
+// destroys the group (a reference here would delay the group's teardown, see distributed.py).
+std::unordered_map<const void*, std::shared_ptr<GroupState>>& groups() {
+  static auto* map = new std::unordered_map<const void*, std::shared_ptr<GroupState>>();
+  return *map;
+}
+
+}  // namespace
+
+bool all_reduce(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, void* data, int64_t numel, at::ScalarType dtype,
+                c10d::ReduceOp::RedOpType op, std::chrono::milliseconds timeout, const std::string& what) {
+  if (pg->getSize() < 2 || numel == 0 || !supported(dtype, op)) return false;
+  std::shared_ptr<GroupState> state;
+  bool fresh = false;
+  {
+    std::lock_guard<std::mutex> g(g_groups_mu);
+    auto& slot = groups()[pg.get()];
+    if (!slot) {
+      slot = std::make_shared<GroupState>();
+      slot->group_name = pg->getGroupName();
+      fresh = true;
+    }
+    state = slot;
+  }
+  std::lock_guard<std::mutex> g(state->mu);
+  if (fresh) state->segment = set_up(pg);
+  if (!state->segment) return false;
+  state->segment->all_reduce(static_cast<char*>(data), numel, dtype, op, timeout, what);
+  return true;
+}
+
+void forget_process_group(const std::string& group_name) {
+  std::lock_guard<std::mutex> g(g_groups_mu);
+  std::erase_if(groups(), [&](const auto& entry) { return entry.second->group_name == group_name; });
+}
+
+}  // namespace mirage::shm
