@@ -254,11 +254,13 @@ class Segment {
 // Rank 0's side of set-up: a fresh segment under a random name, sized and backed by pages
 // now (fallocate), so that a full /dev/shm is a refusal here rather than a SIGBUS later.
 std::string create_segment(int size) {
-  const char* table = std::getenv("MIRAGE_SHM");  // /dev/shm/mirage-<uid>-<session>
-  if (!table || !*table) return "";
-  std::string name = std::strrchr(table, '/') ? std::strrchr(table, '/') : "/";
+  const char* session = std::getenv("MIRAGE_SESSION");
+  if (!session || !*session) return "";
+  // Named after the session's table (mirage/daemon/shared_table.py), so that the run's teardown
+  // and `mirage cleanup` find a segment a rank left behind by dying during set-up.
   std::random_device random;
-  name += ".allreduce-" + std::to_string((uint64_t{random()} << 32) | random());
+  std::string name = "/mirage-" + std::to_string(getuid()) + "-" + session + ".allreduce-" +
+                     std::to_string((uint64_t{random()} << 32) | random());
   int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) return "";
   bool ok = posix_fallocate(fd, 0, static_cast<off_t>(Segment::bytes_for(size))) == 0;
