@@ -119,6 +119,32 @@ def test_two_ranks_on_one_gpu_fail_with_rccls_duplicate_gpu_error(tmp_path):
     assert "ncclInvalidUsage" in result.stderr
 
 
+def test_one_gpu_per_rank_through_cuda_visible_devices(tmp_path):
+    """The launcher pattern `CUDA_VISIBLE_DEVICES=$LOCAL_RANK` + cuda:0: each rank sees one GPU,
+    and it is the node's GPU $LOCAL_RANK (memory, identity for NCCL); the same GPU twice is
+    still a duplicate."""
+    script = tmp_path / "visible.py"
+    script.write_text(
+        "import os, torch, torch.distributed as dist\n"
+        "assert torch.cuda.device_count() == 1, torch.cuda.device_count()\n"
+        "uuid = torch.cuda.get_device_properties(0).uuid\n"
+        "dist.init_process_group('nccl')\n"
+        "t = torch.full((3 * 2**20,), float(dist.get_rank() + 1), device='cuda:0')\n"
+        "dist.all_reduce(t)\n"
+        "print('visible', os.environ['CUDA_VISIBLE_DEVICES'], str(uuid)[-2:], t[0].item(), flush=True)\n")
+    command = f"CUDA_VISIBLE_DEVICES=$(( (LOCAL_RANK + 1) % 2 )) exec python {script}"
+    result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "sh", "-c", command, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[0] visible 1 01 3.0" in result.stdout and "[1] visible 0 00 3.0" in result.stdout
+    for gpu in ("0:0", "0:1"):  # each rank's 12 MiB landed on its own node GPU
+        assert any(line.split()[:2] == [gpu, "12.00"] for line in result.stderr.splitlines()), result.stderr
+
+    same = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "sh", "-c",
+                  f"CUDA_VISIBLE_DEVICES=1 exec python {script}", timeout=120)
+    assert same.returncode == 1
+    assert "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1" in same.stderr
+
+
 @pytest.mark.parametrize("collective, env, expected", [
     # all_reduce goes over shared memory, which names the ranks that never came
     ("dist.all_reduce(t)", [], ["c10d::allreduce_ on a group of 2 ranks (this rank 0, group 'default_pg') "

@@ -28,6 +28,7 @@ from mirage.daemon.flight_recorder import FlightRecorder
 from mirage.daemon.service import SessionService
 from mirage.launcher import summary
 from mirage.launcher.supervisor import Supervisor, stdin_has_input
+from mirage.runtime import visible_devices
 from mirage.shim import build as shim_build
 
 MAX_GPUS_PER_NODE = 64
@@ -173,6 +174,15 @@ def identity(session_id: str, session_dir: Path, place: Placement, num_nodes: in
     }
 
 
+def _warn_if_every_gpu_hidden(env: dict[str, str], gpus: int, amd: bool) -> None:
+    """The workload inherits *_VISIBLE_DEVICES, which the emulated GPUs honour; a value meant for
+    the host (CI boxes hide real GPUs with CUDA_VISIBLE_DEVICES="") would leave it none."""
+    if gpus and not visible_devices.visible_gpus(gpus, amd, env):
+        chosen = ", ".join(f"{key}={env[key]!r}" for key in visible_devices.variables(amd) if key in env)
+        narrate(f"warning: {chosen} hides every emulated GPU from the workload (torch.cuda.device_count() "
+                f"will be 0). Unset it, or pick GPUs 0-{gpus - 1} with --env CUDA_VISIBLE_DEVICES=...")
+
+
 def run_session(request: RunRequest) -> int:
     """Runs the request as one session; returns the exit code for the shell."""
     profile, gpus = validate(request)
@@ -239,6 +249,8 @@ def run_session(request: RunRequest) -> int:
                 identity=identity(session_id, session_dir, place, request.num_nodes, port),
                 clear=request.clear_env, warn=narrate if place.rank == 0 else (lambda _: None),
             )
+            if place.rank == 0:
+                _warn_if_every_gpu_hidden(env, gpus, profile.is_amd)
             try:
                 supervisor.start(request.command, env, request.workdir,
                                  label=None if single else str(place.rank))

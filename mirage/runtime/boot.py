@@ -6,7 +6,8 @@ shim with RTLD_GLOBAL, lets the real import run, and then installs the Python ha
 (`mirage.runtime.torch_cuda`). Processes that never import torch never load anything.
 
 Environment read (exported by `mirage run`): MIRAGE_SHIM_PATH, MIRAGE_PROFILE (a profile TOML
-path), MIRAGE_NUM_GPUS, and with a session service MIRAGE_SOCKET / MIRAGE_SHM.
+path), MIRAGE_NUM_GPUS (the node's GPUs; CUDA_VISIBLE_DEVICES and ROCm's equivalents narrow
+them, see visible_devices.py), and with a session service MIRAGE_SOCKET / MIRAGE_SHM.
 """
 
 from __future__ import annotations
@@ -19,13 +20,17 @@ import sys
 from types import ModuleType
 
 
-def _export_profile_for_shim() -> None:
-    """The shim reads its figures from the environment at load time; derive them here."""
+def _export_for_shim() -> None:
+    """The shim reads its figures from the environment at load time; derive them here: the
+    profile's, and which of the node's GPUs this process sees (*_VISIBLE_DEVICES)."""
     from mirage import profiles
+    from mirage.runtime import visible_devices
 
     profile = profiles.load(os.environ["MIRAGE_PROFILE"])
     os.environ["MIRAGE_GPU_MEMORY_BYTES"] = str(profile.memory_bytes)
     os.environ["MIRAGE_VENDOR"] = profile.vendor
+    visible = visible_devices.visible_gpus(int(os.environ.get("MIRAGE_NUM_GPUS", "0")), profile.is_amd, os.environ)
+    os.environ["MIRAGE_VISIBLE_GPUS"] = ",".join(map(str, visible))
 
 
 class _TorchImportHook(importlib.abc.MetaPathFinder):
@@ -38,7 +43,7 @@ class _TorchImportHook(importlib.abc.MetaPathFinder):
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return spec
-        _export_profile_for_shim()
+        _export_for_shim()
         ctypes.CDLL(os.environ["MIRAGE_SHIM_PATH"], mode=ctypes.RTLD_GLOBAL)
         run_torch_init = spec.loader.exec_module
 

@@ -13,7 +13,7 @@ import os
 from types import ModuleType
 
 from mirage import profiles
-from mirage.runtime import distributed
+from mirage.runtime import distributed, visible_devices
 
 # What a ROCm / CUDA build of torch 2.13 reports as its toolkit version.
 _HIP_VERSION = "7.0.51831-a3e329ad8"
@@ -24,7 +24,7 @@ _CUDA_DEVICE_TYPE = 1  # c10::DeviceType::CUDA
 class DeviceProperties:
     """What torch.cuda.get_device_properties returns (the fields of torch's own type)."""
 
-    def __init__(self, profile: profiles.Profile, index: int) -> None:
+    def __init__(self, profile: profiles.Profile, node_gpu: int) -> None:
         self.name = profile.torch_name
         self.major, self.minor = profile.compute_capability
         self.total_memory = profile.memory_bytes
@@ -38,8 +38,8 @@ class DeviceProperties:
         self.L2_cache_size = 4 * 2**20 if profile.is_amd else 50 * 2**20
         self.clock_rate = int(profile.clock_ghz * 1e6)  # kHz, as CUDA reports it
         self.gcnArchName = profile.arch if profile.is_amd else "NVIDIA CUDA"
-        self.uuid = f"{index:08x}-6d69-7261-6765-{index:012x}"
-        self.pci_bus_id = index + 1
+        self.uuid = visible_devices.gpu_uuid(node_gpu)
+        self.pci_bus_id = node_gpu + 1
         self.pci_device_id = 0
         self.pci_domain_id = 0
 
@@ -151,7 +151,8 @@ def _allow_device_storages(torch: ModuleType) -> None:
 def install(torch: ModuleType) -> None:
     """Completes torch.cuda for the emulated devices. Called once, right after `import torch`."""
     profile = profiles.load(os.environ["MIRAGE_PROFILE"])
-    count = int(os.environ.get("MIRAGE_NUM_GPUS", "0"))
+    visible = [int(gpu) for gpu in os.environ.get("MIRAGE_VISIBLE_GPUS", "").split(",") if gpu]  # see boot.py
+    count = len(visible)
     C = torch._C
     cuda = torch.cuda
 
@@ -194,7 +195,7 @@ def install(torch: ModuleType) -> None:
     for name, fn in bindings.items():
         setattr(C, name, fn)
 
-    properties = [DeviceProperties(profile, i) for i in range(count)]
+    properties = [DeviceProperties(profile, node_gpu) for node_gpu in visible]
     cuda._CudaDeviceProperties = DeviceProperties
     cuda._get_device_properties = lambda index: properties[index]
     cuda._exchange_device = C._accelerator_exchangeDevice

@@ -40,6 +40,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -59,12 +60,27 @@ constexpr size_t kHeader = 64;  // keeps user pointers 64-byte aligned, like c10
 // ---------------------------------------------------------------- configuration (from env)
 
 struct Config {
-  DeviceIndex num_devices = 0;
+  DeviceIndex num_devices = 0;  // the GPUs this process sees
+  std::array<DeviceIndex, kMaxDevices> node_gpu{};  // cuda:i is the node's GPU node_gpu[i]
   int64_t capacity = 0;      // bytes per device
   bool amd = true;           // message wording: "HIP out of memory" vs "CUDA out of memory"
   Config() {
-    if (const char* n = std::getenv("MIRAGE_NUM_GPUS")) num_devices = static_cast<DeviceIndex>(std::atoi(n));
-    if (num_devices < 0 || num_devices > kMaxDevices) num_devices = 0;
+    // MIRAGE_VISIBLE_GPUS: the node's GPUs after *_VISIBLE_DEVICES, in order (mirage/runtime/
+    // visible_devices.py); without it, all MIRAGE_NUM_GPUS of them.
+    const char* visible = std::getenv("MIRAGE_VISIBLE_GPUS");
+    if (visible) {
+      for (const char* p = visible; *p && num_devices < kMaxDevices; ++p) {
+        char* end = nullptr;
+        long gpu = std::strtol(p, &end, 10);
+        if (end == p || gpu < 0 || gpu >= kMaxDevices) break;
+        node_gpu[num_devices++] = static_cast<DeviceIndex>(gpu);
+        p = end;
+        if (*p != ',') break;
+      }
+    } else if (const char* n = std::getenv("MIRAGE_NUM_GPUS")) {
+      num_devices = static_cast<DeviceIndex>(std::clamp(std::atoi(n), 0, kMaxDevices));
+      for (DeviceIndex i = 0; i < num_devices; ++i) node_gpu[i] = i;
+    }
     if (const char* c = std::getenv("MIRAGE_GPU_MEMORY_BYTES")) capacity = std::strtoll(c, nullptr, 10);
     if (const char* v = std::getenv("MIRAGE_VENDOR")) amd = std::strcmp(v, "nvidia") != 0;
   }
@@ -162,13 +178,17 @@ static void attach_shared_table() {
   pthread_atfork(nullptr, nullptr, &claim_slot);
 }
 
+// The node's GPU behind this process's device `dev` (they differ under CUDA_VISIBLE_DEVICES):
+// the shared table has a column per node GPU.
+static DeviceIndex node_gpu(DeviceIndex dev) { return config().node_gpu[dev]; }
+
 // Bytes of device `dev` in use by every process of the session (or by this one alone).
 static int64_t device_in_use(DeviceIndex dev) {
   if (!g_shared.words) return g_counters[dev].allocated.load(std::memory_order_relaxed);
   int64_t total = 0, slots = SharedTable::at(g_shared.words + SharedTable::kHighWater).load(std::memory_order_relaxed);
   for (int64_t i = 0; i < slots; ++i) {
     int64_t* other = g_shared.slot_at(i);
-    if (other[1] == g_shared.node) total += SharedTable::at(other + SharedTable::kSlotHead + dev).load(std::memory_order_relaxed);
+    if (other[1] == g_shared.node) total += SharedTable::at(other + SharedTable::kSlotHead + node_gpu(dev)).load(std::memory_order_relaxed);
   }
   return total;
 }
@@ -184,7 +204,7 @@ static int64_t device_in_use(DeviceIndex dev) {
     for (int64_t i = 0; i < slots; ++i) {
       int64_t* other = g_shared.slot_at(i);
       int64_t pid = SharedTable::at(other).load();
-      int64_t bytes = SharedTable::at(other + SharedTable::kSlotHead + dev).load();
+      int64_t bytes = SharedTable::at(other + SharedTable::kSlotHead + node_gpu(dev)).load();
       if (pid == 0 || other == g_shared.slot || other[1] != g_shared.node || bytes == 0) continue;
       others += "Process " + std::to_string(pid) + " has " + format_size(bytes) + " memory in use. ";
     }
@@ -210,14 +230,14 @@ static void raise_peak(std::atomic_ref<int64_t> peak, int64_t now) {
 static void charge(DeviceIndex dev, int64_t n) {
   const int64_t capacity = config().capacity;
   if (g_shared.slot) {
-    auto mine = SharedTable::at(g_shared.slot + SharedTable::kSlotHead + dev);
+    auto mine = SharedTable::at(g_shared.slot + SharedTable::kSlotHead + node_gpu(dev));
     mine.fetch_add(n, std::memory_order_relaxed);
     int64_t now = device_in_use(dev);
     if (capacity > 0 && now > capacity) {
       mine.fetch_sub(n, std::memory_order_relaxed);
       raise_oom(dev, n);
     }
-    raise_peak(SharedTable::at(g_shared.gpu_peak(dev)), now);
+    raise_peak(SharedTable::at(g_shared.gpu_peak(node_gpu(dev))), now);
   }
   DeviceCounters& c = g_counters[dev];
   int64_t mine = c.allocated.fetch_add(n, std::memory_order_relaxed) + n;
@@ -233,7 +253,7 @@ static void charge(DeviceIndex dev, int64_t n) {
 }
 
 static void refund(DeviceIndex dev, int64_t n) {
-  if (g_shared.slot) SharedTable::at(g_shared.slot + SharedTable::kSlotHead + dev).fetch_sub(n, std::memory_order_relaxed);
+  if (g_shared.slot) SharedTable::at(g_shared.slot + SharedTable::kSlotHead + node_gpu(dev)).fetch_sub(n, std::memory_order_relaxed);
   DeviceCounters& c = g_counters[dev];
   c.allocated.fetch_sub(n, std::memory_order_relaxed);
   c.num_frees.fetch_add(1, std::memory_order_relaxed);
@@ -814,7 +834,7 @@ static void ensure_distinct_gpus(const c10::intrusive_ptr<c10d::ProcessGroup>& p
   int64_t node = static_cast<int64_t>(std::hash<std::string>{}(host ? host : ""));
   at::Tensor mine = at::empty({2}, at::kLong);
   mine[0] = node;
-  mine[1] = static_cast<int64_t>(device);
+  mine[1] = static_cast<int64_t>(node_gpu(device));
   std::vector<std::vector<at::Tensor>> all(1);
   for (int i = 0; i < pg->getSize(); ++i) all[0].push_back(at::empty({2}, at::kLong));
   std::vector<at::Tensor> in{mine};
@@ -825,7 +845,7 @@ static void ensure_distinct_gpus(const c10::intrusive_ptr<c10d::ProcessGroup>& p
         const char* lib = config().amd ? "RCCL" : "NCCL";
         TORCH_CHECK_WITH(DistBackendError, false, lib, " error: invalid usage (run with NCCL_DEBUG=WARN for details)\n"
             "ncclInvalidUsage: This usually reflects invalid usage of NCCL library.\nLast error:\n"
-            "Duplicate GPU detected : rank ", a, " and rank ", b, " both on CUDA device ", static_cast<int>(device),
+            "Duplicate GPU detected : rank ", a, " and rank ", b, " both on CUDA device ", static_cast<int>(node_gpu(device)),
             " (mirage: emulated node ", host ? host : "?", "; give each rank its own GPU, e.g. "
             "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before the first collective)");
       }
