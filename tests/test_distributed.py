@@ -145,6 +145,24 @@ def test_one_gpu_per_rank_through_cuda_visible_devices(tmp_path):
     assert "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1" in same.stderr
 
 
+def test_all_reduces_that_do_not_match_fail_on_every_rank_naming_each_call(tmp_path):
+    """Through the process group's C++ API, as DDP's reducer calls it (the flight recorder sees
+    only Python-level collectives): the shared-memory all_reduce compares the ranks' calls."""
+    script = tmp_path / "mismatch.py"
+    script.write_text(
+        "import os, torch, torch.distributed as dist\n"
+        "rank = int(os.environ['RANK']); torch.cuda.set_device(rank)\n"
+        "dist.init_process_group('nccl')\n"
+        "t = torch.ones(1000 * (rank + 1), device='cuda')\n"
+        "dist.group.WORLD.allreduce([t]).wait()\nprint('unreachable')\n")
+    result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", str(script), timeout=120)
+    assert result.returncode == 1
+    assert "unreachable" not in result.stdout
+    assert "the ranks' calls do not match (a desync" in result.stderr
+    for rank in (0, 1):
+        assert f"[{rank}] [rank{rank}]:   group rank 1: all_reduce of 2000 x Float, op SUM" in result.stderr
+
+
 @pytest.mark.parametrize("collective, env, expected", [
     # all_reduce goes over shared memory, which names the ranks that never came
     ("dist.all_reduce(t)", [], ["c10d::allreduce_ on a group of 2 ranks (this rank 0, group 'default_pg') "

@@ -144,8 +144,17 @@ struct Timing {
   const std::string& what;
 };
 
-// Shared layout: [arrived | generation | entered[size] | buffer 0 slots | buffer 1 slots].
-// `entered[r]` counts the barriers rank r has entered, so a timeout can name who is missing.
+// What a rank asked for: checked against every peer at the first barrier of each call.
+struct Call {
+  int64_t numel;
+  int32_t dtype;
+  int32_t op;
+  bool operator==(const Call&) const = default;
+};
+
+// Shared layout: [arrived | generation | entered[size] | calls[2][size] | buffer 0 slots |
+// buffer 1 slots]. `entered[r]` counts the barriers rank r has entered, so a timeout can name
+// who is missing; calls[b][r] is rank r's current call, per buffer like the slots.
 class Segment {
  public:
   Segment(void* base, size_t bytes, int rank, int size)
@@ -161,8 +170,8 @@ class Segment {
     // A timedelta.max timeout would overflow the clock: a year is forever enough.
     timeout = std::min<std::chrono::milliseconds>(timeout, std::chrono::hours(24 * 365));
     const Timing timing{Clock::now() + timeout, timeout, what};
-    TORCH_CHECK_WITH(DistBackendError, !timed_out_, what, ": an earlier collective of this group timed out; "
-                     "the group cannot be used again (as with NCCL after a timeout)");
+    TORCH_CHECK_WITH(DistBackendError, !unusable_, what, ": an earlier all_reduce of this group failed (a "
+                     "timeout or a desync); the group cannot be used again, as with NCCL");
     const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
     const int64_t chunk_elems = static_cast<int64_t>(kSlotBytes) / item;
     for (int64_t offset = 0; offset < numel; offset += chunk_elems) {
@@ -170,7 +179,10 @@ class Segment {
       char* mine = data + offset * item;
       const int buffer = static_cast<int>(chunks_++ & 1);
       std::memcpy(slot(buffer, rank_), mine, static_cast<size_t>(n * item));
+      const Call asked{numel, static_cast<int32_t>(dtype), static_cast<int32_t>(op)};
+      if (offset == 0) *call(buffer, rank_) = asked;
       barrier(timing);
+      if (offset == 0) check_calls_match(buffer, asked, what);
       if (static_cast<size_t>(n * item) <= kSmallChunkBytes) {
         std::memcpy(mine, slot(buffer, 0), static_cast<size_t>(n * item));
         for (int r = 1; r < size_; ++r) accumulate(dtype, mine, slot(buffer, r), n, op);
@@ -186,7 +198,10 @@ class Segment {
   }
 
  private:
-  static size_t data_offset(int size) { return (128 + 8 * static_cast<size_t>(size) + kPage - 1) / kPage * kPage; }
+  static size_t calls_offset(int size) { return 128 + 8 * static_cast<size_t>(size); }
+  static size_t data_offset(int size) {
+    return (calls_offset(size) + 2 * sizeof(Call) * static_cast<size_t>(size) + kPage - 1) / kPage * kPage;
+  }
   static int online_cpus() {
     cpu_set_t set;
     return sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
@@ -195,6 +210,9 @@ class Segment {
   uint32_t* arrived() const { return reinterpret_cast<uint32_t*>(base_); }
   uint32_t* generation() const { return reinterpret_cast<uint32_t*>(base_ + 64); }
   uint64_t* entered(int r) const { return reinterpret_cast<uint64_t*>(base_ + 128) + r; }
+  Call* call(int buffer, int r) const {
+    return reinterpret_cast<Call*>(base_ + calls_offset(size_)) + static_cast<size_t>(buffer) * size_ + r;
+  }
   char* slot(int buffer, int r) const {
     return base_ + data_offset(size_) + (static_cast<size_t>(buffer) * size_ + r) * kSlotBytes;
   }
@@ -227,6 +245,37 @@ class Segment {
     }
   }
 
+  // NCCL would silently mix a desync's data (or hang); gloo fails on the size. Here every rank
+  // sees every peer's call at the first barrier, so all of them stop with the same report.
+  void check_calls_match(int buffer, const Call& asked, const std::string& what) {
+    bool all_match = true;
+    for (int r = 0; r < size_ && all_match; ++r) all_match = *call(buffer, r) == asked;
+    if (all_match) return;
+    std::ostringstream calls;
+    for (int r = 0; r < size_; ++r) {
+      const Call& c = *call(buffer, r);
+      calls << "\n  group rank " << r << ": all_reduce of " << c.numel << " x "
+            << c10::toString(static_cast<at::ScalarType>(c.dtype)) << ", op " << reduce_op_name(c.op);
+    }
+    unusable_ = true;
+    TORCH_CHECK_WITH(DistBackendError, false, what, ": the ranks' calls do not match (a desync: "
+                     "NCCL would mix or hang here):", calls.str());
+  }
+
+  static const char* reduce_op_name(int32_t op) {
+    using Op = c10d::ReduceOp::RedOpType;
+    switch (static_cast<Op>(op)) {
+      case Op::SUM: return "SUM";
+      case Op::PRODUCT: return "PRODUCT";
+      case Op::MIN: return "MIN";
+      case Op::MAX: return "MAX";
+      case Op::BAND: return "BAND";
+      case Op::BOR: return "BOR";
+      case Op::BXOR: return "BXOR";
+      default: return "?";
+    }
+  }
+
   [[noreturn]] void fail_timeout(const Timing& timing) {
     std::ostringstream missing;
     const char* sep = "";
@@ -236,7 +285,7 @@ class Segment {
         sep = ", ";
       }
     }
-    timed_out_ = true;
+    unusable_ = true;
     TORCH_CHECK_WITH(DistBackendError, false, timing.what, " timed out after ", timing.timeout.count(),
                      " ms: group rank(s) ", missing.str(),
                      " never reached it (a rank that hung, died, or called a different collective). "
@@ -248,7 +297,7 @@ class Segment {
   int rank_, size_;
   bool spin_;
   uint64_t chunks_ = 0, barriers_ = 0;
-  bool timed_out_ = false;
+  bool unusable_ = false;
 };
 
 // Rank 0's side of set-up: a fresh segment under a random name, sized and backed by pages
