@@ -19,7 +19,7 @@ def test_every_collective_on_device_tensors_equals_gloo_on_cpu():
     assert "[0] collectives_ok" in result.stdout
     for name in ("all_reduce AVG", "all_reduce PREMUL_SUM", "all_reduce BXOR torch.int64 x 100003",
                  "all_reduce bitwise equal on every rank", "no shared-memory segment left in /dev/shm",
-                 "all_reduce transposed", "all_to_all_single_uneven",
+                 "all_reduce transposed", "NCCL's default timeout", "all_to_all_single_uneven",
                  "isend_irecv_batch", "new_subgroups all_reduce", "reduce_scatter_tensor", "barrier"):
         assert f"[0] ok {name}" in result.stdout
 

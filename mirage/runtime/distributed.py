@@ -19,12 +19,14 @@ import atexit
 import gc
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
 
 from mirage.runtime import session
 
 _EMULATED_DEVICE_MAP = "cpu:gloo,cuda:gloo"
+_NCCL_DEFAULT_TIMEOUT = timedelta(minutes=10)  # torch's default_pg_nccl_timeout in a CUDA build
 
 
 def _steer_to_gloo(backend) -> str | None:
@@ -249,8 +251,10 @@ def install(torch: ModuleType) -> None:
 
     c10d._new_process_group_helper = new_process_group_helper
     default_timeout = c10d._get_default_timeout
-    c10d._get_default_timeout = lambda backend: default_timeout(
-        c10d.Backend.GLOO if _steer_to_gloo(backend) else backend)
+    # A CPU build has no NCCL default timeout (it warns and gives gloo's 30 minutes); emulated
+    # NCCL gets what a CUDA build's NCCL gets, so a hang surfaces when it would on the real box.
+    c10d._get_default_timeout = lambda backend: (
+        _NCCL_DEFAULT_TIMEOUT if _steer_to_gloo(backend) else default_timeout(backend))
     c10d.is_nccl_available = dist.is_nccl_available = lambda: True
     _add_reduce_op_emulation(dist, c10d)
     _forget_groups_when_destroyed(dist, c10d, torch)

@@ -2,6 +2,7 @@
 the same collective on CPU tensors (gloo) in the same job. Run with 4 ranks on 4 GPUs;
 rank 0 prints `ok <name>` per collective and `collectives_ok` at the end."""
 
+import datetime
 import glob
 import os
 import sys
@@ -205,6 +206,8 @@ dist.barrier()
 checked.append("barrier")
 assert dist.get_backend() == "nccl" and dist.is_nccl_available()
 checked.append("get_backend == nccl")
+assert dist.group.WORLD._get_backend(dev).options._timeout == datetime.timedelta(minutes=10)
+checked.append("NCCL's default timeout")
 
 # The shared-memory segments are unlinked as soon as every rank has mapped them.
 assert not glob.glob(os.environ["MIRAGE_SHM"] + ".*"), glob.glob(os.environ["MIRAGE_SHM"] + ".*")
