@@ -20,6 +20,7 @@ def test_every_collective_on_device_tensors_equals_gloo_on_cpu():
     for name in ("all_reduce AVG", "all_reduce PREMUL_SUM", "all_reduce BXOR torch.int64 x 100003",
                  "all_reduce bitwise equal on every rank", "no shared-memory segment left in /dev/shm",
                  "all_reduce transposed", "NCCL's default timeout", "all_to_all_single_uneven",
+                 "big_broadcast", "all_gather_into_tensor_in_place", "big_reduce_scatter_tensor_max",
                  "isend_irecv_batch", "new_subgroups all_reduce", "reduce_scatter_tensor", "barrier"):
         assert f"[0] ok {name}" in result.stdout
 
@@ -145,34 +146,42 @@ def test_one_gpu_per_rank_through_cuda_visible_devices(tmp_path):
     assert "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1" in same.stderr
 
 
-def test_all_reduces_that_do_not_match_fail_on_every_rank_naming_each_call(tmp_path):
+@pytest.mark.parametrize("calls, expected", [
+    ("t = torch.ones(1000 * (rank + 1), device='cuda')\npg.allreduce([t]).wait()",
+     ["group rank 0: all_reduce of 1000 x Float, op SUM", "group rank 1: all_reduce of 2000 x Float, op SUM"]),
+    ("t = torch.ones(1000, device='cuda')\n"
+     "if rank == 0: pg.broadcast(t, 0).wait()\n"
+     "else: pg._allgather_base(torch.empty(2000, device='cuda'), t).wait()",
+     ["group rank 0: broadcast of 1000 x Float, root 0", "group rank 1: all_gather of 1000 x Float"]),
+])
+def test_collectives_that_do_not_match_fail_on_every_rank_naming_each_call(tmp_path, calls, expected):
     """Through the process group's C++ API, as DDP's reducer calls it (the flight recorder sees
-    only Python-level collectives): the shared-memory all_reduce compares the ranks' calls."""
+    only Python-level collectives): the shared-memory path compares the ranks' calls."""
     script = tmp_path / "mismatch.py"
     script.write_text(
         "import os, torch, torch.distributed as dist\n"
         "rank = int(os.environ['RANK']); torch.cuda.set_device(rank)\n"
-        "dist.init_process_group('nccl')\n"
-        "t = torch.ones(1000 * (rank + 1), device='cuda')\n"
-        "dist.group.WORLD.allreduce([t]).wait()\nprint('unreachable')\n")
+        f"dist.init_process_group('nccl')\npg = dist.group.WORLD\n{calls}\nprint('unreachable')\n")
     result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", str(script), timeout=120)
     assert result.returncode == 1
     assert "unreachable" not in result.stdout
     assert "the ranks' calls do not match (a desync" in result.stderr
     for rank in (0, 1):
-        assert f"[{rank}] [rank{rank}]:   group rank 1: all_reduce of 2000 x Float, op SUM" in result.stderr
+        for text in expected:
+            assert f"[{rank}] [rank{rank}]:   {text}" in result.stderr
 
 
 @pytest.mark.parametrize("collective, env, expected", [
-    # all_reduce goes over shared memory, which names the ranks that never came
+    # all_reduce (like broadcast, all_gather_into_tensor, reduce_scatter_tensor) goes over shared
+    # memory, which names the ranks that never came
     ("dist.all_reduce(t)", [], ["c10d::allreduce_ on a group of 2 ranks (this rank 0, group 'default_pg') "
                                 "timed out after 3000 ms: group rank(s) 1 never reached it"]),
     # ... unless NCCL_SHM_DISABLE=1 sends it over the network (gloo), as it would NCCL's
     ("dist.all_reduce(t)", ["--env", "NCCL_SHM_DISABLE=1"],
      ["c10d::allreduce_ on a group of 2 ranks (this rank 0, group 'default_pg') failed:", "Timed out waiting 3000ms"]),
-    # other collectives go over gloo, whose timeout is named with the collective
-    ("dist.broadcast(t, src=0)", [], ["c10d::broadcast_ on a group of 2 ranks (this rank 0, group 'default_pg') "
-                                      "failed:", "Timed out waiting 3000ms"]),
+    # collectives without a shared-memory path go over gloo, whose timeout is named with them
+    ("dist.all_to_all_single(torch.empty_like(t), t)", [],
+     ["c10d::alltoall_base_ on a group of 2 ranks (this rank 0, group 'default_pg') failed:", "Timed out waiting 3000ms"]),
 ])
 def test_a_collective_no_peer_matches_fails_within_the_timeout_naming_it(tmp_path, collective, env, expected):
     script = tmp_path / "hang.py"

@@ -36,7 +36,7 @@ def session_of(proc: subprocess.Popen) -> str:
 
 
 def leftovers(session: str) -> list:
-    found = [p for p in SHM.glob(f"mirage-*-{session}*")]  # the table and any all-reduce segment
+    found = [p for p in SHM.glob(f"mirage-*-{session}*")]  # the table and any collectives segment
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
@@ -156,8 +156,8 @@ def test_ranks_fail_fast_when_the_daemon_dies():
     alive = [pid for pid in workers if Path(f"/proc/{pid}").exists()
              and "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]]
     assert alive == [], "ranks outlived their daemon"
-    # what a rank killed while its group set up a shared-memory all-reduce would leave
-    segment = SHM / f"mirage-{os.getuid()}-{session}.allreduce-42"
+    # what a rank killed while its group set up its shared-memory collectives would leave
+    segment = SHM / f"mirage-{os.getuid()}-{session}.collectives-42"
     segment.write_bytes(b"\0" * 4096)
     dry = mirage("cleanup", "--dry-run")
     assert f"would remove /dev/shm/mirage-{os.getuid()}-{session}\n" in dry.stdout

@@ -148,7 +148,7 @@ def cleanup(dry_run: bool) -> int:
         actions.append((f"remove {directory}", lambda d=directory: shutil.rmtree(d, ignore_errors=True)))
     live_ids = {s["session"] for s in live_sessions()}
     for table in sorted(shared_table.SHM_DIR.glob(f"{shared_table.PREFIX}{os.getuid()}-*")):
-        session_id = table.name.split("-", 2)[2].split(".", 1)[0]  # the table, or <table>.allreduce-<id>
+        session_id = table.name.split("-", 2)[2].split(".", 1)[0]  # the table, or <table>.collectives-<id>
         if session_id not in live_ids:
             actions.append((f"remove {table}", lambda t=table: t.unlink(missing_ok=True)))
     if not actions:

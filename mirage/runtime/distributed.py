@@ -1,8 +1,9 @@
 """Emulated NCCL/RCCL: `init_process_group("nccl")` on emulated GPUs.
 
-Transport: all_reduce of a device tensor goes through shared memory between the ranks (the
-shim's shm_allreduce.cpp; NCCL_SHM_DISABLE=1 turns it off, as it turns off NCCL's). Every other
-c10d op on device tensors goes to the CPU kernel with CPU views of the same memory, which hands
+Transport: all_reduce, all_gather_into_tensor, reduce_scatter_tensor and broadcast of a device
+tensor go through shared memory between the ranks (the shim's shm_collectives.cpp;
+NCCL_SHM_DISABLE=1 turns it off, as it turns off NCCL's). Every other c10d op on device tensors
+goes to the CPU kernel with CPU views of the same memory, which hands
 them to the process group's CPU backend; so a gloo backend registered for both `cpu` and `cuda`
 moves device memory without a copy to a CPU tensor. Here, process-group creation is steered
 accordingly: wherever NCCL was asked for
@@ -62,7 +63,7 @@ def _transport() -> str:
     """What carries this communicator's collectives (see the module docstring)."""
     if os.environ.get("NCCL_SHM_DISABLE", "0") not in ("", "0"):
         return "gloo"
-    return "shm all_reduce, gloo"
+    return "shm (all_reduce, all_gather, reduce_scatter, broadcast), gloo"
 
 
 def _forget_groups_when_destroyed(dist: ModuleType, c10d: ModuleType, torch: ModuleType) -> None:

@@ -32,7 +32,7 @@
 #include <torch/csrc/distributed/c10d/reducer_timer.hpp>
 #include <torch/library.h>
 
-#include "shm_allreduce.h"
+#include "shm_collectives.h"
 
 #include <fcntl.h>
 #include <pthread.h>
@@ -879,39 +879,76 @@ struct NamedWork final : c10d::Work {
   std::string what_;
 };
 
-// all_reduce_ of one dense device tensor: the same-host shared-memory path (shm_allreduce.cpp),
-// finished when it returns, so its Work is a completed future. False: use the gloo path.
-static bool shm_all_reduce(torch::jit::Stack* stack, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
-                           const std::string& what) {
-  constexpr size_t kArgs = 6;  // tensors, process_group, reduce_op, sparse_indices, async_op, timeout
-  const size_t base = stack->size() - kArgs;
-  std::vector<at::Tensor> tensors = (*stack)[base].toTensorVector();
-  if (tensors.size() != 1 || !(*stack)[base + 3].isNone()) return false;
-  const at::Tensor& t = tensors[0];
-  if (!t.is_cuda() || t.layout() != at::kStrided || !t.is_non_overlapping_and_dense() || t.is_conj() || t.is_neg()) {
+// A device tensor whose bytes the shared-memory path can take as one dense run.
+static bool shm_ready(const at::Tensor& t) {
+  return t.is_cuda() && t.layout() == at::kStrided && t.is_non_overlapping_and_dense() && !t.is_conj() && !t.is_neg();
+}
+
+// The op's `timeout` argument (ms; negative: the group's own timeout).
+static std::chrono::milliseconds collective_timeout(const c10::IValue& arg, const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+  std::chrono::milliseconds timeout(arg.toInt());
+  if (timeout.count() >= 0) return timeout;
+  try {
+    return pg->getBackend(DeviceType::CPU)->getBackendOptions()->timeout;
+  } catch (const c10::Error&) {
+    return std::chrono::minutes(10);  // NCCL's default
+  }
+}
+
+// all_reduce_, broadcast_, _allgather_base_ and _reduce_scatter_base_ on dense device tensors:
+// the same-host shared-memory path (shm_collectives.cpp), finished when it returns, so the Work
+// is a completed future. False, with the stack untouched: use the gloo path.
+static bool shm_collective(const c10::OperatorHandle& op, torch::jit::Stack* stack,
+                           const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const std::string& what) {
+  const std::string& name = op.schema().name();
+  const size_t num_args = op.schema().arguments().size();
+  const c10::IValue* arg = &(*stack)[stack->size() - num_args];
+  const auto timeout = [&](size_t index) { return collective_timeout(arg[index], pg); };
+  c10::IValue result;  // the op's first return
+  at::Tensor done;     // the tensor the Work's future holds
+  if (name == "c10d::allreduce_") {  // tensors, pg, reduce_op, sparse_indices, async_op, timeout
+    std::vector<at::Tensor> tensors = arg[0].toTensorVector();
+    if (tensors.size() != 1 || !arg[3].isNone() || !shm_ready(tensors[0])) return false;
+    done = tensors[0];
+    if (!shm::all_reduce(pg, done.data_ptr(), done.numel(), done.scalar_type(),
+                         arg[2].toCustomClass<c10d::ReduceOp>()->op_, timeout(5), what)) return false;
+    result = std::move(tensors);
+  } else if (name == "c10d::broadcast_") {  // tensors, pg, root_rank, root_tensor, async_op, timeout
+    std::vector<at::Tensor> tensors = arg[0].toTensorVector();
+    if (tensors.size() != 1 || arg[3].toInt() != 0 || !shm_ready(tensors[0])) return false;
+    done = tensors[0];
+    if (!shm::broadcast(pg, done.data_ptr(), done.numel(), done.scalar_type(), static_cast<int>(arg[2].toInt()),
+                        timeout(5), what)) return false;
+    result = std::move(tensors);
+  } else if (name == "c10d::_allgather_base_") {  // output, input, pg, async_op, timeout
+    at::Tensor out = arg[0].toTensor(), in = arg[1].toTensor();
+    if (!shm_ready(out) || !shm_ready(in) || out.scalar_type() != in.scalar_type() ||
+        out.numel() != in.numel() * pg->getSize()) return false;
+    if (!shm::all_gather(pg, out.data_ptr(), in.data_ptr(), in.numel(), in.scalar_type(), timeout(4), what)) return false;
+    done = out;
+    result = out;
+  } else if (name == "c10d::_reduce_scatter_base_") {  // output, input, pg, reduce_op, async_op, timeout
+    at::Tensor out = arg[0].toTensor(), in = arg[1].toTensor();
+    if (!shm_ready(out) || !shm_ready(in) || out.scalar_type() != in.scalar_type() ||
+        in.numel() != out.numel() * pg->getSize()) return false;
+    if (!shm::reduce_scatter(pg, out.data_ptr(), in.data_ptr(), out.numel(), out.scalar_type(),
+                             arg[3].toCustomClass<c10d::ReduceOp>()->op_, timeout(5), what)) return false;
+    done = out;
+    result = out;
+  } else {
     return false;
   }
-  auto reduce_op = (*stack)[base + 2].toCustomClass<c10d::ReduceOp>()->op_;
-  std::chrono::milliseconds timeout((*stack)[base + 5].toInt());
-  if (timeout.count() < 0) {
-    try {
-      timeout = pg->getBackend(DeviceType::CPU)->getBackendOptions()->timeout;
-    } catch (const c10::Error&) {
-      timeout = std::chrono::minutes(10);  // NCCL's default
-    }
-  }
-  if (!shm::all_reduce(pg, t.data_ptr(), t.numel(), t.scalar_type(), reduce_op, timeout, what)) return false;
-  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(), std::vector<c10::Device>{t.device()});
-  future->markCompleted(c10::IValue(tensors));
-  torch::jit::drop(*stack, kArgs);
-  stack->emplace_back(std::move(tensors));
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(), std::vector<c10::Device>{done.device()});
+  future->markCompleted(c10::IValue(std::vector<at::Tensor>{done}));
+  torch::jit::drop(*stack, num_args);
+  stack->emplace_back(std::move(result));
   stack->emplace_back(c10d::Work::create_from_future(future));
   return true;
 }
 
-// c10d ops on device tensors: the duplicate-GPU check, then all_reduce over shared memory
-// where it applies, else the zero-copy fallback to the CPU backend with a Work that names the
-// collective if it fails (a timeout, a dead peer).
+// c10d ops on device tensors: the duplicate-GPU check, then shared memory where it applies,
+// else the zero-copy fallback to the CPU backend with a Work that names the collective if it
+// fails (a timeout, a dead peer).
 static void collective_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   const auto& args = op.schema().arguments();
   const size_t base = stack->size() - args.size();
@@ -934,7 +971,7 @@ static void collective_fallback(const c10::OperatorHandle& op, c10::DispatchKeyS
   if (pg && device >= 0 && !point_to_point) ensure_distinct_gpus(pg, device);
   std::string what = pg ? name + " on a group of " + std::to_string(pg->getSize()) + " ranks (this rank " +
       std::to_string(pg->getRank()) + ", group '" + pg->getGroupDesc() + "')" : name;
-  if (pg && name == "c10d::allreduce_" && shm_all_reduce(stack, pg, what)) return;
+  if (pg && shm_collective(op, stack, pg, what)) return;
   fallback(op, ks, stack);
   if (!pg) return;
   const size_t num_returns = op.schema().returns().size();

@@ -87,6 +87,46 @@ assert work.wait() and work.get_future().value()[0].device == dev
 checked.append("all_reduce future holds the device tensor")
 
 
+
+# The other collectives over shared memory, over several chunks and with uneven lengths.
+def big_broadcast(make, group):
+    t = make(data((100_003,), seed=9))
+    dist.broadcast(t, src=3, group=group)
+    return t
+
+
+def big_all_gather_into_tensor(make, group):
+    out = make(torch.zeros(world * 70_001))
+    dist.all_gather_into_tensor(out, make(data((70_001,), seed=10)), group=group)
+    return out
+
+
+def all_gather_into_tensor_in_place(make, group):
+    """FSDP's way: the input is this rank's part of the output."""
+    out = make(torch.zeros(world * 70_001))
+    mine = out[rank * 70_001:(rank + 1) * 70_001]
+    mine.copy_(make(data((70_001,), seed=11)))
+    dist.all_gather_into_tensor(out, mine, group=group)
+    return out
+
+
+def big_reduce_scatter_tensor(make, group):
+    out = make(torch.zeros(50_001, dtype=torch.bfloat16))
+    dist.reduce_scatter_tensor(out, make(data((world * 50_001,), seed=12).round().to(torch.bfloat16)), group=group)
+    return out
+
+
+def big_reduce_scatter_tensor_max(make, group):
+    out = make(torch.zeros(50_001))
+    dist.reduce_scatter_tensor(out, make(data((world * 50_001,), seed=13)), op=dist.ReduceOp.MAX, group=group)
+    return out
+
+
+for fn in (big_broadcast, big_all_gather_into_tensor, all_gather_into_tensor_in_place, big_reduce_scatter_tensor,
+           big_reduce_scatter_tensor_max):
+    both(fn.__name__, fn)
+
+
 def all_reduce_strided(make, group):
     t = make(data((40, 30))).t()  # not dense in row order: takes the gloo path
     dist.all_reduce(t, group=group)

@@ -1,23 +1,25 @@
-// Same-host shared-memory all-reduce for emulated NCCL.
+// Same-host shared-memory collectives for emulated NCCL: all_reduce, all_gather (into one
+// tensor), reduce_scatter (from one tensor) and broadcast.
 //
-// Every emulated GPU of a session lives on this host, so an all-reduce needs no sockets: the
-// ranks of a process group map one /dev/shm segment, each copies its input into its own slot,
-// the reduction is split between them (reduce-scatter, then every rank copies the whole result
-// back: the split NCCL's ring makes, with memory instead of links), and a futex barrier in the
-// segment orders the steps. Gloo over TCP loopback pushes every byte through the kernel on every
-// hop; here each byte is copied in, reduced once, and copied out.
+// Every emulated GPU of a session lives on this host, so these need no sockets: the ranks of a
+// process group map one /dev/shm segment with a slot per rank, copy their part in, and read what
+// they need out, with a futex barrier in the segment ordering the steps. Gloo over TCP loopback
+// pushes every byte through the kernel on every hop; here a byte is copied in and copied out.
+// all_reduce splits the reduction between the ranks (reduce-scatter, then every rank copies the
+// whole result back: the split NCCL's ring makes, with memory instead of links).
 //
-// Large tensors go through in chunks that alternate between two buffers, so a rank may fill the
-// next chunk while a slow peer still reads the previous one. Small chunks skip the split: every
-// rank reduces the whole chunk itself (one barrier instead of two). Either way each element is
-// reduced in rank order by one expression, so every rank gets the same bits.
+// Tensors go through in chunks that alternate between two buffers, so a rank may fill the next
+// chunk while a slow peer still reads the previous one: one barrier per chunk (two for a large
+// all_reduce chunk). Each element is reduced in rank order by one expression, so every rank gets
+// the same bits. At the first barrier of a call every rank sees every peer's call (collective,
+// size, dtype, op or root), so a desync fails on all ranks, naming each call.
 //
 // The segment of a group is set up once, over the group's gloo backend: rank 0 creates it under
 // a random name and broadcasts the name, the others map it, an all-reduce of "mapped" agrees on
 // using it (else the whole group stays on gloo), and rank 0 unlinks the name, so nothing is left
 // in /dev/shm whatever happens to the ranks afterwards.
 
-#include "shm_allreduce.h"
+#include "shm_collectives.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -120,7 +122,7 @@ void accumulate(T* __restrict acc, const T* __restrict x, int64_t n, c10d::Reduc
 }
 
 void accumulate(at::ScalarType dtype, char* acc, const char* x, int64_t n, c10d::ReduceOp::RedOpType op) {
-  AT_DISPATCH_ALL_TYPES_AND_COMPLEX_AND2(at::kHalf, at::kBFloat16, dtype, "mirage_shm_all_reduce", [&] {
+  AT_DISPATCH_ALL_TYPES_AND_COMPLEX_AND2(at::kHalf, at::kBFloat16, dtype, "mirage_shm_reduce", [&] {
     accumulate(reinterpret_cast<scalar_t*>(acc), reinterpret_cast<const scalar_t*>(x), n, op);
   });
 }
@@ -144,11 +146,15 @@ struct Timing {
   const std::string& what;
 };
 
+enum class Kind : int32_t { kAllReduce, kAllGather, kReduceScatter, kBroadcast };
+
 // What a rank asked for: checked against every peer at the first barrier of each call.
 struct Call {
-  int64_t numel;
+  Kind kind;
   int32_t dtype;
-  int32_t op;
+  int32_t op_or_root;  // the reduce op, or broadcast's root
+  int32_t unused = 0;
+  int64_t numel;  // per rank: all_gather's input, reduce_scatter's output
   bool operator==(const Call&) const = default;
 };
 
@@ -166,24 +172,17 @@ class Segment {
   static size_t bytes_for(int size) { return data_offset(size) + 2 * static_cast<size_t>(size) * kSlotBytes; }
 
   void all_reduce(char* data, int64_t numel, at::ScalarType dtype, c10d::ReduceOp::RedOpType op,
-                  std::chrono::milliseconds timeout, const std::string& what) {
-    // A timedelta.max timeout would overflow the clock: a year is forever enough.
-    timeout = std::min<std::chrono::milliseconds>(timeout, std::chrono::hours(24 * 365));
-    const Timing timing{Clock::now() + timeout, timeout, what};
-    TORCH_CHECK_WITH(DistBackendError, !unusable_, what, ": an earlier all_reduce of this group failed (a "
-                     "timeout or a desync); the group cannot be used again, as with NCCL");
+                  const Timing& timing) {
+    const Call asked{Kind::kAllReduce, static_cast<int32_t>(dtype), static_cast<int32_t>(op), 0, numel};
     const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
-    const int64_t chunk_elems = static_cast<int64_t>(kSlotBytes) / item;
-    for (int64_t offset = 0; offset < numel; offset += chunk_elems) {
-      const int64_t n = std::min(chunk_elems, numel - offset);
+    const int64_t chunk = static_cast<int64_t>(kSlotBytes) / item;
+    for (int64_t offset = 0; offset < numel; offset += chunk) {
+      const int64_t n = std::min(chunk, numel - offset);
       char* mine = data + offset * item;
-      const int buffer = static_cast<int>(chunks_++ & 1);
+      const int buffer = next_buffer();
       std::memcpy(slot(buffer, rank_), mine, static_cast<size_t>(n * item));
-      const Call asked{numel, static_cast<int32_t>(dtype), static_cast<int32_t>(op)};
-      if (offset == 0) *call(buffer, rank_) = asked;
-      barrier(timing);
-      if (offset == 0) check_calls_match(buffer, asked, what);
-      if (static_cast<size_t>(n * item) <= kSmallChunkBytes) {
+      exchange(buffer, asked, offset == 0, timing);
+      if (static_cast<size_t>(n * item) <= kSmallChunkBytes) {  // every rank reduces it all
         std::memcpy(mine, slot(buffer, 0), static_cast<size_t>(n * item));
         for (int r = 1; r < size_; ++r) accumulate(dtype, mine, slot(buffer, r), n, op);
         continue;
@@ -195,6 +194,61 @@ class Segment {
       barrier(timing);
       std::memcpy(mine, slot(buffer, 0), static_cast<size_t>(n * item));
     }
+  }
+
+  // out[r * numel ...] = rank r's `in` (numel elements each).
+  void all_gather(char* out, const char* in, int64_t numel, at::ScalarType dtype, const Timing& timing) {
+    const Call asked{Kind::kAllGather, static_cast<int32_t>(dtype), 0, 0, numel};
+    const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
+    const int64_t chunk = static_cast<int64_t>(kSlotBytes) / item;
+    for (int64_t offset = 0; offset < numel; offset += chunk) {
+      const int64_t n = std::min(chunk, numel - offset);
+      const int buffer = next_buffer();
+      std::memcpy(slot(buffer, rank_), in + offset * item, static_cast<size_t>(n * item));
+      exchange(buffer, asked, offset == 0, timing);
+      for (int r = 0; r < size_; ++r) {
+        std::memcpy(out + (r * numel + offset) * item, slot(buffer, r), static_cast<size_t>(n * item));
+      }
+    }
+  }
+
+  // out = the reduction over ranks of their `in[rank * numel ...]` (numel elements).
+  void reduce_scatter(char* out, const char* in, int64_t numel, at::ScalarType dtype, c10d::ReduceOp::RedOpType op,
+                      const Timing& timing) {
+    const Call asked{Kind::kReduceScatter, static_cast<int32_t>(dtype), static_cast<int32_t>(op), 0, numel};
+    const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
+    const int64_t chunk = std::max<int64_t>(1, static_cast<int64_t>(kSlotBytes) / item / size_);
+    for (int64_t offset = 0; offset < numel; offset += chunk) {
+      const int64_t n = std::min(chunk, numel - offset);
+      const int buffer = next_buffer();
+      // This rank's slot holds, for every destination rank, its part of the chunk.
+      for (int r = 0; r < size_; ++r) {
+        std::memcpy(slot(buffer, rank_) + r * n * item, in + (r * numel + offset) * item, static_cast<size_t>(n * item));
+      }
+      exchange(buffer, asked, offset == 0, timing);
+      char* mine = out + offset * item;
+      std::memcpy(mine, slot(buffer, 0) + rank_ * n * item, static_cast<size_t>(n * item));
+      for (int r = 1; r < size_; ++r) accumulate(dtype, mine, slot(buffer, r) + rank_ * n * item, n, op);
+    }
+  }
+
+  void broadcast(char* data, int64_t numel, at::ScalarType dtype, int root, const Timing& timing) {
+    const Call asked{Kind::kBroadcast, static_cast<int32_t>(dtype), root, 0, numel};
+    const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
+    const int64_t chunk = static_cast<int64_t>(kSlotBytes) / item;
+    for (int64_t offset = 0; offset < numel; offset += chunk) {
+      const int64_t n = std::min(chunk, numel - offset);
+      const int buffer = next_buffer();
+      if (rank_ == root) std::memcpy(slot(buffer, root), data + offset * item, static_cast<size_t>(n * item));
+      exchange(buffer, asked, offset == 0, timing);
+      if (rank_ != root) std::memcpy(data + offset * item, slot(buffer, root), static_cast<size_t>(n * item));
+    }
+  }
+
+  // Refuses a group whose transport failed before (a timeout or a desync), as NCCL does.
+  void check_usable(const std::string& what) const {
+    TORCH_CHECK_WITH(DistBackendError, !unusable_, what, ": an earlier collective of this group failed (a "
+                     "timeout or a desync); the group cannot be used again, as with NCCL");
   }
 
  private:
@@ -245,6 +299,15 @@ class Segment {
     }
   }
 
+  int next_buffer() { return static_cast<int>(chunks_++ & 1); }
+
+  // The barrier after a chunk's copy-in; on a call's first chunk, also the comparison of calls.
+  void exchange(int buffer, const Call& asked, bool first_chunk, const Timing& timing) {
+    if (first_chunk) *call(buffer, rank_) = asked;
+    barrier(timing);
+    if (first_chunk) check_calls_match(buffer, asked, timing.what);
+  }
+
   // NCCL would silently mix a desync's data (or hang); gloo fails on the size. Here every rank
   // sees every peer's call at the first barrier, so all of them stop with the same report.
   void check_calls_match(int buffer, const Call& asked, const std::string& what) {
@@ -252,14 +315,23 @@ class Segment {
     for (int r = 0; r < size_ && all_match; ++r) all_match = *call(buffer, r) == asked;
     if (all_match) return;
     std::ostringstream calls;
-    for (int r = 0; r < size_; ++r) {
-      const Call& c = *call(buffer, r);
-      calls << "\n  group rank " << r << ": all_reduce of " << c.numel << " x "
-            << c10::toString(static_cast<at::ScalarType>(c.dtype)) << ", op " << reduce_op_name(c.op);
-    }
+    for (int r = 0; r < size_; ++r) calls << "\n  group rank " << r << ": " << describe(*call(buffer, r));
     unusable_ = true;
     TORCH_CHECK_WITH(DistBackendError, false, what, ": the ranks' calls do not match (a desync: "
                      "NCCL would mix or hang here):", calls.str());
+  }
+
+  static std::string describe(const Call& c) {
+    static const char* const kNames[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast"};
+    std::ostringstream text;
+    text << kNames[static_cast<int>(c.kind) & 3] << " of " << c.numel << " x "
+         << c10::toString(static_cast<at::ScalarType>(c.dtype));
+    if (c.kind == Kind::kBroadcast) {
+      text << ", root " << c.op_or_root;
+    } else if (c.kind != Kind::kAllGather) {
+      text << ", op " << reduce_op_name(c.op_or_root);
+    }
+    return text.str();
   }
 
   static const char* reduce_op_name(int32_t op) {
@@ -308,7 +380,7 @@ std::string create_segment(int size) {
   // Named after the session's table (mirage/daemon/shared_table.py), so that the run's teardown
   // and `mirage cleanup` find a segment a rank left behind by dying during set-up.
   std::random_device random;
-  std::string name = "/mirage-" + std::to_string(getuid()) + "-" + session + ".allreduce-" +
+  std::string name = "/mirage-" + std::to_string(getuid()) + "-" + session + ".collectives-" +
                      std::to_string((uint64_t{random()} << 32) | random());
   int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) return "";
@@ -359,7 +431,7 @@ std::unique_ptr<Segment> set_up(const c10::intrusive_ptr<c10d::ProcessGroup>& pg
 
 struct GroupState {
   std::string group_name;
-  std::mutex mu;  // one all-reduce at a time per group and process
+  std::mutex mu;  // one collective at a time per group and process
   std::unique_ptr<Segment> segment;  // null: the group uses gloo
 };
 std::mutex g_groups_mu;
@@ -370,11 +442,12 @@ std::unordered_map<const void*, std::shared_ptr<GroupState>>& groups() {
   return *map;
 }
 
-}  // namespace
-
-bool all_reduce(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, void* data, int64_t numel, at::ScalarType dtype,
-                c10d::ReduceOp::RedOpType op, std::chrono::milliseconds timeout, const std::string& what) {
-  if (pg->getSize() < 2 || numel == 0 || !supported(dtype, op)) return false;
+// Runs `collective` on the group's segment, setting the segment up on the group's first call.
+// False, having done nothing, when the group stays on gloo.
+template <typename Fn>
+bool on_segment(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, std::chrono::milliseconds timeout,
+                const std::string& what, Fn&& collective) {
+  if (pg->getSize() < 2) return false;
   std::shared_ptr<GroupState> state;
   bool fresh = false;
   {
@@ -390,8 +463,49 @@ bool all_reduce(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, void* data, in
   std::lock_guard<std::mutex> g(state->mu);
   if (fresh) state->segment = set_up(pg);
   if (!state->segment) return false;
-  state->segment->all_reduce(static_cast<char*>(data), numel, dtype, op, timeout, what);
+  state->segment->check_usable(what);
+  // A timedelta.max timeout would overflow the clock: a year is forever enough.
+  timeout = std::min<std::chrono::milliseconds>(timeout, std::chrono::hours(24 * 365));
+  collective(*state->segment, Timing{Clock::now() + timeout, timeout, what});
   return true;
+}
+
+}  // namespace
+
+bool all_reduce(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, void* data, int64_t numel, at::ScalarType dtype,
+                c10d::ReduceOp::RedOpType op, std::chrono::milliseconds timeout, const std::string& what) {
+  if (numel == 0 || !supported(dtype, op)) return false;
+  return on_segment(pg, timeout, what, [&](Segment& segment, const Timing& timing) {
+    segment.all_reduce(static_cast<char*>(data), numel, dtype, op, timing);
+  });
+}
+
+bool all_gather(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, void* out, const void* in, int64_t numel,
+                at::ScalarType dtype, std::chrono::milliseconds timeout, const std::string& what) {
+  if (numel == 0) return false;
+  return on_segment(pg, timeout, what, [&](Segment& segment, const Timing& timing) {
+    segment.all_gather(static_cast<char*>(out), static_cast<const char*>(in), numel, dtype, timing);
+  });
+}
+
+bool reduce_scatter(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, void* out, const void* in, int64_t numel,
+                    at::ScalarType dtype, c10d::ReduceOp::RedOpType op, std::chrono::milliseconds timeout,
+                    const std::string& what) {
+  if (numel == 0 || !supported(dtype, op) ||
+      static_cast<size_t>(pg->getSize()) * c10::elementSize(dtype) > kSlotBytes) {
+    return false;
+  }
+  return on_segment(pg, timeout, what, [&](Segment& segment, const Timing& timing) {
+    segment.reduce_scatter(static_cast<char*>(out), static_cast<const char*>(in), numel, dtype, op, timing);
+  });
+}
+
+bool broadcast(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, void* data, int64_t numel, at::ScalarType dtype,
+               int root, std::chrono::milliseconds timeout, const std::string& what) {
+  if (numel == 0) return false;
+  return on_segment(pg, timeout, what, [&](Segment& segment, const Timing& timing) {
+    segment.broadcast(static_cast<char*>(data), numel, dtype, root, timing);
+  });
 }
 
 void forget_process_group(const std::string& group_name) {
