@@ -21,6 +21,7 @@ def test_every_collective_on_device_tensors_equals_gloo_on_cpu():
                  "all_reduce bitwise equal on every rank", "no shared-memory segment left in /dev/shm",
                  "all_reduce transposed", "NCCL's default timeout", "all_to_all_single_uneven",
                  "big_broadcast", "all_gather_into_tensor_in_place", "big_reduce_scatter_tensor_max",
+                 "new_group broadcast",
                  "isend_irecv_batch", "new_subgroups all_reduce", "reduce_scatter_tensor", "barrier"):
         assert f"[0] ok {name}" in result.stdout
 

@@ -228,6 +228,9 @@ mine = evens if rank % 2 == 0 else odds
 t = torch.tensor([float(rank)], device=dev)
 dist.all_reduce(t, group=mine)
 same("new_group all_reduce", t, torch.tensor([float(rank % 2 * 2 + 2)]))
+t = torch.full((70_001,), float(rank), device=dev)
+dist.broadcast(t, src=2 + rank % 2, group=mine)  # a global rank: group rank 1 of evens / odds
+same("new_group broadcast", t, torch.full((70_001,), float(2 + rank % 2)))
 subgroup, _ = dist.new_subgroups(group_size=2)
 t = torch.tensor([1.0], device=dev)
 dist.all_reduce(t, group=subgroup)
