@@ -1,7 +1,9 @@
 """The flight recorder: every rank's collectives, per process group, in order.
 
 Workload processes send an entry when a collective starts ("enter") and when it returns
-("exit"): group, sequence number in that group, op, dtype, shapes, reduce op, call site. The
+("exit"): group, sequence number in that group, op, dtype, shapes, reduce op, call site.
+Collectives issued from C++ (DDP's reducer) are entered only once they have slept a second in
+the shim ("native" entries, group "<name> (C++ calls)"; see mirage/runtime/distributed.py). The
 recorder compares the ranks' entries at each sequence number (a different op, dtype or size is
 a desync, reported at once, naming both ranks and their call sites) and watches for stalls
 (ranks inside a collective longer than the hang timeout: who waits where, and who never
@@ -52,14 +54,20 @@ class FlightRecorder:
             return
         with self._lock:
             if entry.get("phase") == "exit":
-                self.inside.pop(rank, None)
+                waiting_in = self.inside.get(rank)
+                # An exit that names its collective ends only that one (the runtime's watch of
+                # C++-issued collectives, whose exit may trail a newer Python-level entry).
+                if waiting_in and entry.get("group", waiting_in["group"]) == waiting_in["group"] \
+                        and entry.get("seq", waiting_in["seq"]) == waiting_in["seq"]:
+                    del self.inside[rank]
                 return
             entry["t"] = time.monotonic()
             self.inside[rank] = entry
             self.last[rank] = entry
-            count = self.counts.setdefault(rank, [0, 0])
-            count[0] += 1
-            count[1] += int(entry.get("bytes", 0))
+            if not entry.get("native"):  # seen only when it sleeps long: not counted in the summary
+                count = self.counts.setdefault(rank, [0, 0])
+                count[0] += 1
+                count[1] += int(entry.get("bytes", 0))
             key = (entry["group"], entry["seq"])
             first = self.first_at.setdefault(key, entry)
             if first is not entry and not self.failed:
@@ -100,7 +108,7 @@ class FlightRecorder:
                          f"#{oldest['seq']} {describe(oldest)} (group '{oldest['group']}')"]
                 for r in absent:
                     last = self.last.get(r)
-                    where = describe(last) + f", sequence #{last['seq']}" if last else "no collective yet"
+                    where = describe(last) + f", sequence #{last['seq']}" if last else "none recorded yet"
                     lines.append(f"  rank {r} never arrived; its last collective: {where}")
             for r in absent:  # outside the lock: asking a rank for its stack takes a moment
                 stack = self.locate(r)

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import atexit
 import gc
+import json
 import os
 import sys
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
@@ -84,6 +87,7 @@ def _forget_groups_when_destroyed(dist: ModuleType, c10d: ModuleType, torch: Mod
 
 def _tear_down_at_exit(c10d: ModuleType) -> None:
     """Destroys every process group before the interpreter finalizes (see module docstring)."""
+    _native_watch["stop"] = True
     if not c10d.is_initialized():
         return
     try:
@@ -217,15 +221,65 @@ def _add_flight_recording(dist: ModuleType, c10d: ModuleType) -> None:
                 "reduce_op": str(reduce_op).removeprefix("RedOpType.") if reduce_op is not None else None,
                 "callsite": _call_site(),
             })
+            with _python_collectives_lock:
+                _python_collectives[0] += 1
             try:
                 return _collective(*args, **kwargs)
             finally:
+                with _python_collectives_lock:
+                    _python_collectives[0] -= 1
                 session.send({"op": "collective", "phase": "exit", "rank": rank})
 
         recorded.__wrapped__ = collective
         recorded.__doc__ = collective.__doc__
         setattr(c10d, name, recorded)
         setattr(dist, name, recorded)
+
+
+# Python-level recorded collectives in progress in this process (any thread).
+_python_collectives = [0]
+_python_collectives_lock = threading.Lock()
+_native_watch = {"started": False, "stop": False}
+_NATIVE_WAIT_REPORTED_AFTER_MS = 1000
+_NATIVE_WAIT_POLL_S = 0.5
+
+
+def _watch_native_waits(torch: ModuleType, c10d: ModuleType) -> None:
+    """DDP's reducer issues its collectives from C++, where the wrappers above never see them.
+    This thread asks the shim which shared-memory collectives the process is asleep in; one asleep
+    for a second, with no Python-level collective in progress, is entered in the flight recorder
+    like any other, so a hang there is reported the same way (who waits, who never came, where
+    that rank is now)."""
+    reported: set[tuple[str, int]] = set()
+    while not _native_watch["stop"]:
+        time.sleep(_NATIVE_WAIT_POLL_S)
+        if _native_watch["stop"]:
+            return
+        waits = [] if _python_collectives[0] else json.loads(torch.ops.mirage.shm_waits())
+        asleep = {(f"{w['group']} (C++ calls)", w["seq"]): w for w in waits
+                  if w["waited_ms"] >= _NATIVE_WAIT_REPORTED_AFTER_MS}
+        rank = c10d.get_rank() if asleep or reported else None
+        for (group, seq), wait in asleep.items():
+            if (group, seq) in reported:
+                continue
+            pg = next((g for g, name in c10d._world.pg_names.items() if name == wait["group"]), None)
+            session.send({
+                "op": "collective", "phase": "enter", "native": True, "rank": rank, "group": group, "seq": seq,
+                "group_ranks": c10d.get_process_group_ranks(pg) if pg is not None else None,
+                "name": wait["name"], "dtype": wait["dtype"], "shapes": [[wait["numel"]]], "numel": wait["numel"],
+                "callsite": "C++ (DDP's reducer, or another caller outside Python)",
+            })
+        for group, seq in reported - asleep.keys():
+            session.send({"op": "collective", "phase": "exit", "rank": rank, "group": group, "seq": seq})
+        reported = set(asleep)
+
+
+def _start_native_wait_watch(torch: ModuleType, c10d: ModuleType) -> None:
+    if _native_watch["started"] or not session.connected():
+        return
+    _native_watch["started"] = True
+    threading.Thread(target=_watch_native_waits, args=(torch, c10d), name="mirage-native-wait-watch",
+                     daemon=True).start()
 
 
 def install(torch: ModuleType) -> None:
@@ -248,6 +302,7 @@ def install(torch: ModuleType) -> None:
             c10d._world.pg_map[pg] = (c10d.Backend(asked) if "," not in str(asked) else asked,
                                       c10d._world.pg_map[pg][1])
             _log_nccl_init(c10d, pg, str(asked))
+            _start_native_wait_watch(torch, c10d)
         return pg, store
 
     c10d._new_process_group_helper = new_process_group_helper

@@ -1054,6 +1054,7 @@ TORCH_LIBRARY(mirage, m) {
   m.def("default_generator(int device) -> Generator?", [](int64_t device) {
     return mirage::default_generator(static_cast<c10::DeviceIndex>(device));
   });
+  m.def("shm_waits() -> str", [] { return mirage::shm::waits_json(); });
   m.def("forget_process_group(str group_name) -> ()",
         [](const std::string& group_name) { mirage::shm::forget_process_group(group_name); });
 }

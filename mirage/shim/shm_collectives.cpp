@@ -41,6 +41,7 @@
 #include <mutex>
 #include <random>
 #include <sstream>
+#include <thread>
 #include <type_traits>
 #include <unordered_map>
 
@@ -139,11 +140,13 @@ long futex(uint32_t* word, int op, uint32_t value, const timespec* timeout) {
   return syscall(SYS_futex, word, op, value, timeout, nullptr, 0);
 }
 
-// Where a collective must be done by, and how to name it if it is not.
+// Where a collective must be done by, and how to name it if it is not (or if it waits long).
 struct Timing {
   Clock::time_point deadline;
   std::chrono::milliseconds timeout;
   const std::string& what;
+  const std::string& group;  // the process group's name
+  uint64_t call;             // this call's number in the group: the same on every rank
 };
 
 enum class Kind : int32_t { kAllReduce, kAllGather, kReduceScatter, kBroadcast };
@@ -157,6 +160,23 @@ struct Call {
   int64_t numel;  // per rank: all_gather's input, reduce_scatter's output
   bool operator==(const Call&) const = default;
 };
+
+class Segment;
+
+// A barrier that is sleeping, for the runtime's hang watch (waits_json): DDP's reducer issues
+// collectives from C++, where the flight recorder's Python wrappers never see them.
+struct Wait {
+  const Segment* segment;
+  const Timing* timing;
+  Call call;
+  uint64_t barrier;  // the waiter's barrier count, to tell who has not reached it
+  Clock::time_point since;
+};
+std::mutex g_waits_mu;
+std::unordered_map<std::thread::id, Wait>& waits() {
+  static auto* map = new std::unordered_map<std::thread::id, Wait>();
+  return *map;
+}
 
 // Shared layout: [arrived | generation | entered[size] | calls[2][size] | buffer 0 slots |
 // buffer 1 slots]. `entered[r]` counts the barriers rank r has entered, so a timeout can name
@@ -245,6 +265,20 @@ class Segment {
     }
   }
 
+  static const char* kind_name(Kind kind) {
+    static const char* const kNames[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast"};
+    return kNames[static_cast<int>(kind) & 3];
+  }
+
+  // Group ranks that have not yet entered the barrier numbered `barrier`.
+  std::vector<int> missing_ranks(uint64_t barrier) const {
+    std::vector<int> missing;
+    for (int r = 0; r < size_; ++r) {
+      if (std::atomic_ref<uint64_t>(*entered(r)).load(std::memory_order_relaxed) < barrier) missing.push_back(r);
+    }
+    return missing;
+  }
+
   // Refuses a group whose transport failed before (a timeout or a desync), as NCCL does.
   void check_usable(const std::string& what) const {
     TORCH_CHECK_WITH(DistBackendError, !unusable_, what, ": an earlier collective of this group failed (a "
@@ -289,6 +323,16 @@ class Segment {
       if (gen.load(std::memory_order_acquire) != seen) return;
       cpu_relax();
     }
+    struct Registered {  // this thread's entry in waits() while it sleeps here
+      explicit Registered(const Wait& wait) {
+        std::lock_guard<std::mutex> g(g_waits_mu);
+        waits()[std::this_thread::get_id()] = wait;
+      }
+      ~Registered() {
+        std::lock_guard<std::mutex> g(g_waits_mu);
+        waits().erase(std::this_thread::get_id());
+      }
+    } registered(Wait{this, &timing, current_, barriers_, Clock::now()});
     while (gen.load(std::memory_order_acquire) == seen) {
       auto left = timing.deadline - Clock::now();
       if (left <= Clock::duration::zero()) fail_timeout(timing);
@@ -303,7 +347,7 @@ class Segment {
 
   // The barrier after a chunk's copy-in; on a call's first chunk, also the comparison of calls.
   void exchange(int buffer, const Call& asked, bool first_chunk, const Timing& timing) {
-    if (first_chunk) *call(buffer, rank_) = asked;
+    if (first_chunk) *call(buffer, rank_) = current_ = asked;
     barrier(timing);
     if (first_chunk) check_calls_match(buffer, asked, timing.what);
   }
@@ -322,9 +366,8 @@ class Segment {
   }
 
   static std::string describe(const Call& c) {
-    static const char* const kNames[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast"};
     std::ostringstream text;
-    text << kNames[static_cast<int>(c.kind) & 3] << " of " << c.numel << " x "
+    text << kind_name(c.kind) << " of " << c.numel << " x "
          << c10::toString(static_cast<at::ScalarType>(c.dtype));
     if (c.kind == Kind::kBroadcast) {
       text << ", root " << c.op_or_root;
@@ -351,11 +394,9 @@ class Segment {
   [[noreturn]] void fail_timeout(const Timing& timing) {
     std::ostringstream missing;
     const char* sep = "";
-    for (int r = 0; r < size_; ++r) {
-      if (std::atomic_ref<uint64_t>(*entered(r)).load(std::memory_order_relaxed) < barriers_) {
-        missing << sep << r;
-        sep = ", ";
-      }
+    for (int r : missing_ranks(barriers_)) {
+      missing << sep << r;
+      sep = ", ";
     }
     unusable_ = true;
     TORCH_CHECK_WITH(DistBackendError, false, timing.what, " timed out after ", timing.timeout.count(),
@@ -369,6 +410,7 @@ class Segment {
   int rank_, size_;
   bool spin_;
   uint64_t chunks_ = 0, barriers_ = 0;
+  Call current_{};  // the call in progress
   bool unusable_ = false;
 };
 
@@ -431,6 +473,7 @@ std::unique_ptr<Segment> set_up(const c10::intrusive_ptr<c10d::ProcessGroup>& pg
 
 struct GroupState {
   std::string group_name;
+  uint64_t calls = 0;  // collectives on the segment so far
   std::mutex mu;  // one collective at a time per group and process
   std::unique_ptr<Segment> segment;  // null: the group uses gloo
 };
@@ -466,7 +509,7 @@ bool on_segment(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, std::chrono::m
   state->segment->check_usable(what);
   // A timedelta.max timeout would overflow the clock: a year is forever enough.
   timeout = std::min<std::chrono::milliseconds>(timeout, std::chrono::hours(24 * 365));
-  collective(*state->segment, Timing{Clock::now() + timeout, timeout, what});
+  collective(*state->segment, Timing{Clock::now() + timeout, timeout, what, state->group_name, state->calls++});
   return true;
 }
 
@@ -506,6 +549,29 @@ bool broadcast(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, void* data, int
   return on_segment(pg, timeout, what, [&](Segment& segment, const Timing& timing) {
     segment.broadcast(static_cast<char*>(data), numel, dtype, root, timing);
   });
+}
+
+std::string waits_json() {
+  std::lock_guard<std::mutex> g(g_waits_mu);
+  std::ostringstream json;
+  json << "[";
+  const char* sep = "";
+  for (const auto& [thread, wait] : waits()) {
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - wait.since).count();
+    json << sep << "{\"group\": \"" << wait.timing->group << "\", \"seq\": " << wait.timing->call
+         << ", \"name\": \"" << Segment::kind_name(wait.call.kind) << "\", \"dtype\": \""
+         << c10::toString(static_cast<at::ScalarType>(wait.call.dtype)) << "\", \"numel\": " << wait.call.numel
+         << ", \"waited_ms\": " << waited << ", \"missing\": [";
+    const char* comma = "";
+    for (int r : wait.segment->missing_ranks(wait.barrier)) {
+      json << comma << r;
+      comma = ", ";
+    }
+    json << "]}";
+    sep = ", ";
+  }
+  json << "]";
+  return json.str();
 }
 
 void forget_process_group(const std::string& group_name) {

@@ -31,6 +31,11 @@ bool reduce_scatter(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, void* out,
 bool broadcast(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, void* data, int64_t numel, at::ScalarType dtype,
                int root, std::chrono::milliseconds timeout, const std::string& what);
 
+// The collectives this process's threads are sleeping in, as a JSON list of {group, seq (the
+// call's number in its group), name, dtype, numel, waited_ms, missing (group ranks that have not
+// arrived)}: what the runtime's hang watch reports to the flight recorder.
+std::string waits_json();
+
 // Drops this process's state for the group named `group_name` (its segment mapping); called
 // when Python destroys the group, before its address can hold another group.
 void forget_process_group(const std::string& group_name);
