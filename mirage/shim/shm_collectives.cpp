@@ -156,7 +156,7 @@ struct Call {
   Kind kind;
   int32_t dtype;
   int32_t op_or_root;  // the reduce op, or broadcast's root
-  int32_t unused = 0;
+  int32_t padding = 0;  // numel stays 8-byte aligned in shared memory
   int64_t numel;  // per rank: all_gather's input, reduce_scatter's output
   bool operator==(const Call&) const = default;
 };
