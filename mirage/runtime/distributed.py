@@ -262,10 +262,9 @@ def _watch_native_waits(torch: ModuleType, c10d: ModuleType) -> None:
         for (group, seq), wait in asleep.items():
             if (group, seq) in reported:
                 continue
-            pg = next((g for g, name in c10d._world.pg_names.items() if name == wait["group"]), None)
             session.send({
                 "op": "collective", "phase": "enter", "native": True, "rank": rank, "group": group, "seq": seq,
-                "group_ranks": c10d.get_process_group_ranks(pg) if pg is not None else None,
+                "group_ranks": c10d.get_process_group_ranks(c10d._resolve_process_group(wait["group"])),
                 "name": wait["name"], "dtype": wait["dtype"], "shapes": [[wait["numel"]]], "numel": wait["numel"],
                 "callsite": "C++ (DDP's reducer, or another caller outside Python)",
             })

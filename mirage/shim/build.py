@@ -1,7 +1,7 @@
 """Builds the device shim against the installed torch, once, and caches it.
 
-The cache key covers the shim sources, this builder (its compiler flags), the torch version and the Python version, so an upgrade
-of either rebuilds. Building imports torch, which must happen in a process where the shim is
+The cache key covers the shim sources, this builder (its compiler flags), the torch version and
+the Python version, so a change to any of them rebuilds. Building imports torch, which must happen in a process where the shim is
 NOT being loaded; the launcher therefore runs this module as `python -m mirage.shim.build` in a
 clean subprocess and reads the library path from its stdout. Concurrent builders serialise on a
 file lock, so two `mirage run`s started together build once.

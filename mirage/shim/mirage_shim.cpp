@@ -40,7 +40,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -65,21 +64,16 @@ struct Config {
   int64_t capacity = 0;      // bytes per device
   bool amd = true;           // message wording: "HIP out of memory" vs "CUDA out of memory"
   Config() {
-    // MIRAGE_VISIBLE_GPUS: the node's GPUs after *_VISIBLE_DEVICES, in order (mirage/runtime/
-    // visible_devices.py); without it, all MIRAGE_NUM_GPUS of them.
+    // MIRAGE_VISIBLE_GPUS: the node's GPUs after *_VISIBLE_DEVICES, in order, set by
+    // mirage/runtime/boot.py before it loads the shim (torch.cuda reads the same list).
     const char* visible = std::getenv("MIRAGE_VISIBLE_GPUS");
-    if (visible) {
-      for (const char* p = visible; *p && num_devices < kMaxDevices; ++p) {
-        char* end = nullptr;
-        long gpu = std::strtol(p, &end, 10);
-        if (end == p || gpu < 0 || gpu >= kMaxDevices) break;
-        node_gpu[num_devices++] = static_cast<DeviceIndex>(gpu);
-        p = end;
-        if (*p != ',') break;
-      }
-    } else if (const char* n = std::getenv("MIRAGE_NUM_GPUS")) {
-      num_devices = static_cast<DeviceIndex>(std::clamp(std::atoi(n), 0, kMaxDevices));
-      for (DeviceIndex i = 0; i < num_devices; ++i) node_gpu[i] = i;
+    for (const char* p = visible ? visible : ""; *p && num_devices < kMaxDevices; ++p) {
+      char* end = nullptr;
+      long gpu = std::strtol(p, &end, 10);
+      if (end == p || gpu < 0 || gpu >= kMaxDevices) break;
+      node_gpu[num_devices++] = static_cast<DeviceIndex>(gpu);
+      p = end;
+      if (*p != ',') break;
     }
     if (const char* c = std::getenv("MIRAGE_GPU_MEMORY_BYTES")) capacity = std::strtoll(c, nullptr, 10);
     if (const char* v = std::getenv("MIRAGE_VENDOR")) amd = std::strcmp(v, "nvidia") != 0;
