@@ -1,13 +1,16 @@
 """The flight recorder: every rank's collectives, per process group, in order.
 
-Workload processes send an entry when a collective starts ("enter") and when it returns
-("exit"): group, sequence number in that group, op, dtype, shapes, reduce op, call site.
-Collectives issued from C++ (DDP's reducer) are entered only once they have slept a second in
-the shim ("native" entries, group "<name> (C++ calls)"; see mirage/runtime/distributed.py). The
-recorder compares the ranks' entries at each sequence number (a different op, dtype or size is
-a desync, reported at once, naming both ranks and their call sites) and watches for stalls
-(ranks inside a collective longer than the hang timeout: who waits where, and who never
-arrived and where they last were). Either report ends the session (see the launcher).
+The emulated NCCL backend (mirage/nccl/backend.cpp), which every collective passes whoever
+issues it (Python, DDP's reducer, FSDP), sends an entry when an operation starts ("enter") and
+when it completes ("exit"): the group's name and communicator instance, sequence number, op,
+dtype, shapes, bytes, reduce op. Entries are keyed by the communicator instance, not the group's
+name: a group destroyed and created again under the same name, or the group '0' of each test of
+a suite that spawns fresh ranks per test, starts a fresh sequence. The recorder compares the
+ranks' collective entries at each sequence number (a different op, dtype or size is a desync,
+reported at once, naming both ranks' calls; point-to-point entries are not compared, as ranks
+send different things) and watches for stalls (ranks inside an operation longer than the hang
+timeout: who waits where, and who never arrived and where they are now). Either report ends the
+session (see the launcher).
 """
 
 from __future__ import annotations
@@ -18,17 +21,22 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 DESYNC_EXIT_CODE = 123
-# Collectives whose tensors must be the same size on every rank (the others may differ:
-# uneven all_to_all splits, a gather's root passing the only output list).
-SAME_SIZE = {"all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-             "reduce_scatter_tensor"}
+# Collectives whose tensors must be the same size on every rank (the others may differ: NCCL
+# takes uneven all_gather / reduce_scatter lists and all_to_all splits, and a gather's root passes
+# the only output list).
+SAME_SIZE = {"all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor"}
 HANG_EXIT_CODE = 124
 
 
 def describe(entry: dict) -> str:
     return (f"{entry['name']}(dtype={entry.get('dtype')}, shapes={entry.get('shapes')}"
             + (f", op={entry['reduce_op']}" if entry.get("reduce_op") else "")
-            + f") at {entry.get('callsite', '?')}")
+            + (f", peer={entry['peer']}" if entry.get("peer") is not None else "") + ")")
+
+
+def _key(entry: dict) -> tuple[str, bool, int]:
+    """An operation's identity across ranks: its communicator instance, kind and number."""
+    return entry.get("instance", entry.get("group", "?")), bool(entry.get("p2p")), entry.get("seq", -1)
 
 
 @dataclass
@@ -38,8 +46,9 @@ class FlightRecorder:
     hang_timeout: float
     on_failure: Callable[[str, int], None]
     locate: Callable[[int], str | None] = lambda rank: None  # a rank's current Python stack
-    first_at: dict[tuple[str, int], dict] = field(default_factory=dict)  # (group, seq) -> entry
-    inside: dict[int, dict] = field(default_factory=dict)  # rank -> entry it is waiting in
+    first_at: dict[tuple[str, bool, int], dict] = field(default_factory=dict)  # _key -> first rank's entry
+    open_ops: dict[int, dict] = field(default_factory=dict)  # rank -> {_key: entry} not yet exited
+    inside: dict[int, dict] = field(default_factory=dict)  # rank -> the oldest entry it is waiting in
     last: dict[int, dict] = field(default_factory=dict)  # rank -> its last entry
     counts: dict[int, list[int]] = field(default_factory=dict)  # rank -> [collectives, bytes]
     failed: bool = False
@@ -53,23 +62,21 @@ class FlightRecorder:
         if rank is None:
             return
         with self._lock:
+            ops = self.open_ops.setdefault(rank, {})
             if entry.get("phase") == "exit":
-                waiting_in = self.inside.get(rank)
-                # An exit that names its collective ends only that one (the runtime's watch of
-                # C++-issued collectives, whose exit may trail a newer Python-level entry).
-                if waiting_in and entry.get("group", waiting_in["group"]) == waiting_in["group"] \
-                        and entry.get("seq", waiting_in["seq"]) == waiting_in["seq"]:
-                    del self.inside[rank]
+                ops.pop(_key(entry), None)
+                self._update_inside(rank)
                 return
             entry["t"] = time.monotonic()
-            self.inside[rank] = entry
+            ops[_key(entry)] = entry
             self.last[rank] = entry
-            if not entry.get("native"):  # seen only when it sleeps long: not counted in the summary
-                count = self.counts.setdefault(rank, [0, 0])
-                count[0] += 1
-                count[1] += int(entry.get("bytes", 0))
-            key = (entry["group"], entry["seq"])
-            first = self.first_at.setdefault(key, entry)
+            self._update_inside(rank)
+            count = self.counts.setdefault(rank, [0, 0])
+            count[0] += 1
+            count[1] += int(entry.get("bytes", 0))
+            if entry.get("p2p"):
+                return
+            first = self.first_at.setdefault(_key(entry), entry)
             if first is not entry and not self.failed:
                 compared = ("name", "dtype", "numel") if entry.get("name") in SAME_SIZE else ("name", "dtype")
                 mismatch = [k for k in compared if first.get(k) != entry.get(k)]
@@ -82,13 +89,21 @@ class FlightRecorder:
                         f"  rank {rank}: {describe(entry)}")
                     threading.Thread(target=self.on_failure, args=(report, DESYNC_EXIT_CODE), daemon=True).start()
 
+    def _update_inside(self, rank: int) -> None:
+        """The operation a rank has waited in longest (its collectives and its p2p worker's)."""
+        ops = self.open_ops.get(rank)
+        if ops:
+            self.inside[rank] = min(ops.values(), key=lambda e: e["t"])
+        else:
+            self.inside.pop(rank, None)
+
     def last_collective(self, rank: int | None) -> str | None:
         with self._lock:
             entry = self.last.get(rank) if rank is not None else None
         if entry is None:
             return None
         state = "waiting in" if self.inside.get(rank) is entry else "done"
-        return f"{state} #{entry['seq']} {entry['name']} (group '{entry['group']}') at {entry.get('callsite', '?')}"
+        return f"{state} #{entry['seq']} {entry['name']} (group '{entry['group']}')"
 
     def _watch(self) -> None:
         while not self.failed:
@@ -100,10 +115,12 @@ class FlightRecorder:
                     continue
                 self.failed = True
                 oldest = min(stuck.values(), key=lambda e: e["t"])
-                group_ranks = oldest.get("group_ranks") or sorted(self.last)
-                waiting = sorted(r for r, e in self.inside.items()
-                                 if e["group"] == oldest["group"] and e["seq"] == oldest["seq"])
-                absent = [r for r in group_ranks if r not in waiting]
+                if oldest.get("p2p"):  # a send or recv waits for its one peer
+                    waiting, absent = [oldest["rank"]], [oldest["peer"]]
+                else:
+                    group_ranks = oldest.get("group_ranks") or sorted(self.last)
+                    waiting = sorted(r for r, ops in self.open_ops.items() if _key(oldest) in ops)
+                    absent = [r for r in group_ranks if r not in waiting]
                 lines = [f"hang: ranks {waiting} have waited more than {self.hang_timeout:g} s in "
                          f"#{oldest['seq']} {describe(oldest)} (group '{oldest['group']}')"]
                 for r in absent:

@@ -89,15 +89,16 @@ def check_torch_is_cpu_build() -> None:
 
 
 def ensure_shim() -> Path:
-    """The device shim for the installed torch, built in a clean subprocess if not cached."""
+    """The device shim (and the emulated NCCL next to it) for the installed torch, built in a
+    clean subprocess if not cached; returns the shim's path."""
     path = shim_build.library_path()
-    if path.exists():
+    if path.exists() and shim_build.nccl_module_path().exists():
         return path
     narrate("building the device shim for this torch (first run only, about 30 s)")
     clean_env = {k: v for k, v in os.environ.items() if not k.startswith("MIRAGE_SHIM")}
     result = subprocess.run([sys.executable, "-m", "mirage.shim.build"], env=clean_env,
                             capture_output=True, text=True)
-    if result.returncode != 0 or not path.exists():
+    if result.returncode != 0 or not path.exists() or not shim_build.nccl_module_path().exists():
         raise LaunchError("building the device shim failed (a C++ compiler, g++, is needed):\n"
                           + result.stderr[-4000:])
     return path
@@ -202,9 +203,10 @@ def run_session(request: RunRequest) -> int:
                 f"{len(processes)} process(es))")
         emulator = {
             "MIRAGE_SHIM_PATH": str(shim),
+            "MIRAGE_NCCL_PATH": str(shim_build.nccl_module_path()),
             "MIRAGE_PROFILE": str(profile.path),
             "MIRAGE_NUM_GPUS": str(gpus),
-            # Gloo carries the emulated NCCL traffic; every emulated node is on loopback.
+            # Every emulated node is on loopback (gloo groups a user asks for included).
             "GLOO_SOCKET_IFNAME": "lo",
             # Scratch (torchrun's error files, tempfile) lives and dies with the session.
             "TMPDIR": str(scratch),

@@ -17,7 +17,6 @@ import threading
 from mirage.daemon.protocol import STACK_SIGNAL, stack_path
 
 _connection: socket.socket | None = None
-_send_lock = threading.Lock()
 _stack_file = None  # where this rank's stacks go when the service asks (hang reports)
 
 
@@ -76,17 +75,7 @@ def attach() -> None:
     threading.Thread(target=_watch, args=(connection,), name="mirage-daemon-watch", daemon=True).start()
 
 
-def send(message: dict) -> None:
-    """One-way message to the service (flight-recorder entries); never blocks on a reply."""
-    if _connection is None:
-        return
-    data = (json.dumps(message) + "\n").encode()
-    with _send_lock:
-        try:
-            _connection.sendall(data)
-        except OSError:
-            pass
-
-
-def connected() -> bool:
-    return _connection is not None
+def connection_fd() -> int | None:
+    """The session connection's file descriptor, where the emulated NCCL backend writes its
+    flight-recorder lines (mirage/nccl/backend.cpp); None outside a session."""
+    return _connection.fileno() if _connection is not None else None

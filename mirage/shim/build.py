@@ -1,6 +1,8 @@
-"""Builds the device shim against the installed torch, once, and caches it.
+"""Builds mirage's native parts against the installed torch, once, and caches them: the device
+shim (this folder; a plain library loaded before `import torch`) and the emulated NCCL backend
+(mirage/nccl; a Python extension module, loaded once torch is imported, next to the shim).
 
-The cache key covers the shim sources, this builder (its compiler flags), the torch version and
+The cache key covers both parts' sources, this builder (its compiler flags), the torch version and
 the Python version, so a change to any of them rebuilds. Building imports torch, which must happen in a process where the shim is
 NOT being loaded; the launcher therefore runs this module as `python -m mirage.shim.build` in a
 clean subprocess and reads the library path from its stdout. Concurrent builders serialise on a
@@ -19,6 +21,10 @@ from pathlib import Path
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 LIBRARY_NAME = "mirage_shim"
+NCCL_DIR = Path(__file__).parent.parent / "nccl"
+NCCL_SOURCES = sorted(NCCL_DIR.glob("*.cpp"))
+NCCL_HEADERS = sorted(NCCL_DIR.glob("*.h"))
+NCCL_MODULE_NAME = "mirage_nccl"
 
 
 def cache_root() -> Path:
@@ -31,42 +37,58 @@ def cache_root() -> Path:
 
 def library_path() -> Path:
     """The path the shim for this source + torch + Python has (or will have) once built."""
+    return cache_root() / f"shim-{_key(SOURCES + HEADERS)}" / f"{LIBRARY_NAME}.so"
+
+
+def _key(sources: list[Path]) -> str:
     key = hashlib.sha256()
-    for source in SOURCES + HEADERS + [Path(__file__)]:  # the code and how it is compiled
+    for source in sources + [Path(__file__)]:  # the code and how it is compiled
         key.update(source.read_bytes())
     key.update(importlib.metadata.version("torch").encode())
     key.update(sys.version.encode())
-    return cache_root() / f"shim-{key.hexdigest()[:16]}" / f"{LIBRARY_NAME}.so"
+    return key.hexdigest()[:16]
+
+
+def nccl_module_path() -> Path:
+    """The path the emulated NCCL extension for this source + torch + Python has once built."""
+    return cache_root() / f"nccl-{_key(NCCL_SOURCES + NCCL_HEADERS)}" / f"{NCCL_MODULE_NAME}.so"
 
 
 def build() -> Path:
-    """Compiles the shim if it is not cached yet; returns the library path."""
+    """Compiles the shim and the NCCL extension if not cached yet; returns the shim's path."""
     target = library_path()
-    if target.exists():
+    if target.exists() and nccl_module_path().exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if target.exists():
+        if target.exists() and nccl_module_path().exists():
             return target
         # cpp_extension serialises builds with a "lock" file of its own that a killed build
         # leaves behind, after which every build waits forever. Holding our flock, we are the
         # only builder, so any such file is stale.
-        (target.parent / "lock").unlink(missing_ok=True)
+        nccl_dir = nccl_module_path().parent
+        nccl_dir.mkdir(parents=True, exist_ok=True)
+        for build_dir in (target.parent, nccl_dir):
+            (build_dir / "lock").unlink(missing_ok=True)
         import torch.utils.cpp_extension as cpp_extension
 
-        torch_lib = Path(cpp_extension.TORCH_LIB_PATH)
-        cpp_extension.load(
-            name=LIBRARY_NAME,
-            sources=[str(source) for source in SOURCES],
-            build_directory=str(target.parent),
-            # The shim is loaded before `import torch`, so it must find libtorch on its own
-            # (rpath) and must not drag in libtorch_python (--as-needed).
-            extra_ldflags=["-Wl,--as-needed", f"-Wl,-rpath,{torch_lib}"],
-            extra_cflags=["-O3"],
-            is_python_module=False,
-            verbose=os.environ.get("MIRAGE_VERBOSE_BUILD") == "1",
-        )
+        rpath = f"-Wl,-rpath,{cpp_extension.TORCH_LIB_PATH}"
+        verbose = os.environ.get("MIRAGE_VERBOSE_BUILD") == "1"
+        if not target.exists():
+            cpp_extension.load(
+                name=LIBRARY_NAME, sources=[str(source) for source in SOURCES], build_directory=str(target.parent),
+                # The shim is loaded before `import torch`, so it must find libtorch on its own
+                # (rpath) and must not drag in libtorch_python (--as-needed).
+                extra_ldflags=["-Wl,--as-needed", rpath], extra_cflags=["-O3"], is_python_module=False,
+                verbose=verbose)
+        if not nccl_module_path().exists():
+            # The backend subclasses c10d's pybind Backend: a Python extension, imported after
+            # torch, so it links libtorch_python like any torch extension.
+            cpp_extension.load(
+                name=NCCL_MODULE_NAME, sources=[str(source) for source in NCCL_SOURCES],
+                build_directory=str(nccl_dir), extra_ldflags=[rpath], extra_cflags=["-O3"], is_python_module=True,
+                verbose=verbose)
     return target
 
 

@@ -28,11 +28,8 @@
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/reducer_timer.hpp>
 #include <torch/library.h>
-
-#include "shm_collectives.h"
 
 #include <fcntl.h>
 #include <pthread.h>
@@ -809,177 +806,6 @@ TORCH_LIBRARY_IMPL(aten, CUDA, m) {
   m.impl("_use_miopen_ctc_loss.Tensor", TORCH_FN(mirage::no_cudnn_ctc_loss_tensor));
 }
 
-// ---------------------------------------------------------------- collectives
-
-namespace mirage {
-
-// NCCL refuses a communicator with two ranks on one GPU at its first collective; so do we.
-// One all-gather of (node, device) per process group, over its CPU backend, before the first
-// collective on device tensors. Point-to-point ops are skipped: not every rank takes part.
-static std::mutex g_checked_mu;
-static std::unordered_set<const void*> g_checked_groups;
-
-static void ensure_distinct_gpus(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, DeviceIndex device) {
-  {
-    std::lock_guard<std::mutex> g(g_checked_mu);
-    if (!g_checked_groups.insert(pg.get()).second) return;
-  }
-  const char* host = std::getenv("NCCL_HOSTID");
-  int64_t node = static_cast<int64_t>(std::hash<std::string>{}(host ? host : ""));
-  at::Tensor mine = at::empty({2}, at::kLong);
-  mine[0] = node;
-  mine[1] = static_cast<int64_t>(node_gpu(device));
-  std::vector<std::vector<at::Tensor>> all(1);
-  for (int i = 0; i < pg->getSize(); ++i) all[0].push_back(at::empty({2}, at::kLong));
-  std::vector<at::Tensor> in{mine};
-  pg->getBackend(DeviceType::CPU)->allgather(all, in)->wait();
-  for (int a = 0; a < pg->getSize(); ++a) {
-    for (int b = 0; b < a; ++b) {
-      if (at::equal(all[0][a], all[0][b]) && (a == pg->getRank() || b == pg->getRank())) {
-        const char* lib = config().amd ? "RCCL" : "NCCL";
-        TORCH_CHECK_WITH(DistBackendError, false, lib, " error: invalid usage (run with NCCL_DEBUG=WARN for details)\n"
-            "ncclInvalidUsage: This usually reflects invalid usage of NCCL library.\nLast error:\n"
-            "Duplicate GPU detected : rank ", a, " and rank ", b, " both on CUDA device ", static_cast<int>(node_gpu(device)),
-            " (mirage: emulated node ", host ? host : "?", "; give each rank its own GPU, e.g. "
-            "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before the first collective)");
-      }
-    }
-  }
-}
-
-// A Work whose failure names the collective it belongs to.
-struct NamedWork final : c10d::Work {
-  NamedWork(c10::intrusive_ptr<c10d::Work> inner, std::string what)
-      : c10d::Work(-1, inner->retrieveOpType()),
-        inner_(std::move(inner)), what_(std::move(what)) {}
-  bool isCompleted() override { return inner_->isCompleted(); }
-  bool isSuccess() const override { return inner_->isSuccess(); }
-  std::exception_ptr exception() const override { return inner_->exception(); }
-  std::vector<at::Tensor> result() override { return inner_->result(); }
-  void synchronize() override { inner_->synchronize(); }
-  bool wait(std::chrono::milliseconds timeout) override {
-    try {
-      return inner_->wait(timeout);
-    } catch (const std::exception& e) {
-      TORCH_CHECK_WITH(DistBackendError, false, what_, " failed: ", e.what());
-    }
-  }
-  void abort() override { inner_->abort(); }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return inner_->getFuture(); }
-  uint64_t getSequencenumber() const override { return inner_->getSequencenumber(); }
-
- private:
-  c10::intrusive_ptr<c10d::Work> inner_;
-  std::string what_;
-};
-
-// A device tensor whose bytes the shared-memory path can take as one dense run.
-static bool shm_ready(const at::Tensor& t) {
-  return t.is_cuda() && t.layout() == at::kStrided && t.is_non_overlapping_and_dense() && !t.is_conj() && !t.is_neg();
-}
-
-// The op's `timeout` argument (ms; negative: the group's own timeout).
-static std::chrono::milliseconds collective_timeout(const c10::IValue& arg, const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
-  std::chrono::milliseconds timeout(arg.toInt());
-  if (timeout.count() >= 0) return timeout;
-  try {
-    return pg->getBackend(DeviceType::CPU)->getBackendOptions()->timeout;
-  } catch (const c10::Error&) {
-    return std::chrono::minutes(10);  // NCCL's default
-  }
-}
-
-// all_reduce_, broadcast_, _allgather_base_ and _reduce_scatter_base_ on dense device tensors:
-// the same-host shared-memory path (shm_collectives.cpp), finished when it returns, so the Work
-// is a completed future. False, with the stack untouched: use the gloo path.
-static bool shm_collective(const c10::OperatorHandle& op, torch::jit::Stack* stack,
-                           const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const std::string& what) {
-  const std::string& name = op.schema().name();
-  const size_t num_args = op.schema().arguments().size();
-  const c10::IValue* arg = &(*stack)[stack->size() - num_args];
-  const auto timeout = [&](size_t index) { return collective_timeout(arg[index], pg); };
-  c10::IValue result;  // the op's first return
-  at::Tensor done;     // the tensor the Work's future holds
-  if (name == "c10d::allreduce_") {  // tensors, pg, reduce_op, sparse_indices, async_op, timeout
-    std::vector<at::Tensor> tensors = arg[0].toTensorVector();
-    if (tensors.size() != 1 || !arg[3].isNone() || !shm_ready(tensors[0])) return false;
-    done = tensors[0];
-    if (!shm::all_reduce(pg, done.data_ptr(), done.numel(), done.scalar_type(),
-                         arg[2].toCustomClass<c10d::ReduceOp>()->op_, timeout(5), what)) return false;
-    result = std::move(tensors);
-  } else if (name == "c10d::broadcast_") {  // tensors, pg, root_rank, root_tensor, async_op, timeout
-    std::vector<at::Tensor> tensors = arg[0].toTensorVector();
-    if (tensors.size() != 1 || arg[3].toInt() != 0 || !shm_ready(tensors[0])) return false;
-    done = tensors[0];
-    if (!shm::broadcast(pg, done.data_ptr(), done.numel(), done.scalar_type(), static_cast<int>(arg[2].toInt()),
-                        timeout(5), what)) return false;
-    result = std::move(tensors);
-  } else if (name == "c10d::_allgather_base_") {  // output, input, pg, async_op, timeout
-    at::Tensor out = arg[0].toTensor(), in = arg[1].toTensor();
-    if (!shm_ready(out) || !shm_ready(in) || out.scalar_type() != in.scalar_type() ||
-        out.numel() != in.numel() * pg->getSize()) return false;
-    if (!shm::all_gather(pg, out.data_ptr(), in.data_ptr(), in.numel(), in.scalar_type(), timeout(4), what)) return false;
-    done = out;
-    result = out;
-  } else if (name == "c10d::_reduce_scatter_base_") {  // output, input, pg, reduce_op, async_op, timeout
-    at::Tensor out = arg[0].toTensor(), in = arg[1].toTensor();
-    if (!shm_ready(out) || !shm_ready(in) || out.scalar_type() != in.scalar_type() ||
-        in.numel() != out.numel() * pg->getSize()) return false;
-    if (!shm::reduce_scatter(pg, out.data_ptr(), in.data_ptr(), out.numel(), out.scalar_type(),
-                             arg[3].toCustomClass<c10d::ReduceOp>()->op_, timeout(5), what)) return false;
-    done = out;
-    result = out;
-  } else {
-    return false;
-  }
-  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(), std::vector<c10::Device>{done.device()});
-  future->markCompleted(c10::IValue(std::vector<at::Tensor>{done}));
-  torch::jit::drop(*stack, num_args);
-  stack->emplace_back(std::move(result));
-  stack->emplace_back(c10d::Work::create_from_future(future));
-  return true;
-}
-
-// c10d ops on device tensors: the duplicate-GPU check, then shared memory where it applies,
-// else the zero-copy fallback to the CPU backend with a Work that names the collective if it
-// fails (a timeout, a dead peer).
-static void collective_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  const auto& args = op.schema().arguments();
-  const size_t base = stack->size() - args.size();
-  c10::intrusive_ptr<c10d::ProcessGroup> pg;
-  DeviceIndex device = -1;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const c10::IValue& iv = (*stack)[base + i];
-    if (!pg && iv.isCustomClass() && args[i].name() == "process_group") {
-      pg = iv.toCustomClass<c10d::ProcessGroup>();
-    } else if (device < 0 && iv.isTensor() && iv.toTensor().is_cuda()) {
-      device = iv.toTensor().device().index();
-    } else if (device < 0 && iv.isTensorList()) {
-      for (const at::Tensor& t : iv.toTensorVector()) {
-        if (t.is_cuda()) { device = t.device().index(); break; }
-      }
-    }
-  }
-  const std::string& name = op.schema().name();
-  bool point_to_point = name == "c10d::send" || name == "c10d::recv_" || name == "c10d::recv_any_source_";
-  if (pg && device >= 0 && !point_to_point) ensure_distinct_gpus(pg, device);
-  std::string what = pg ? name + " on a group of " + std::to_string(pg->getSize()) + " ranks (this rank " +
-      std::to_string(pg->getRank()) + ", group '" + pg->getGroupDesc() + "')" : name;
-  if (pg && shm_collective(op, stack, pg, what)) return;
-  fallback(op, ks, stack);
-  if (!pg) return;
-  const size_t num_returns = op.schema().returns().size();
-  for (size_t i = stack->size() - num_returns; i < stack->size(); ++i) {
-    c10::IValue& iv = (*stack)[i];
-    if (iv.isCustomClass() && op.schema().returns()[i - (stack->size() - num_returns)].type()->str().find("Work") != std::string::npos) {
-      auto work = iv.toCustomClass<c10d::Work>();
-      iv = c10::IValue(c10::intrusive_ptr<c10d::Work>(c10::make_intrusive<NamedWork>(std::move(work), what)));
-    }
-  }
-}
-
-}  // namespace mirage
-
 // DDP's reducer asks for a timer for its device type; work is synchronous, so host time it is.
 namespace c10d {
 struct MirageHostTimer final : Timer {
@@ -1000,29 +826,16 @@ namespace mirage {
 // Give every such aten op the fallback explicitly, so CUDA runs exactly the CPU kernel.
 static const int g_register_cpu_twins = [] {
   static torch::Library aten(torch::Library::IMPL, "aten", c10::DispatchKey::CUDA, __FILE__, __LINE__);
-  static torch::Library c10d(torch::Library::IMPL, "c10d", c10::DispatchKey::CUDA, __FILE__, __LINE__);
-  // Overriding c10d's CUDA kernels is intended: silence the dispatcher's override warning.
-  struct Silent : c10::WarningHandler {
-    void process(const c10::Warning&) override {}
-  } silent;
-  c10::WarningUtils::WarningHandlerGuard guard(&silent);
   auto& dispatcher = c10::Dispatcher::singleton();
+  // (c10d's ops keep torch's own CUDA kernels: they hand device tensors to the group's cuda
+  // backend, the emulated NCCL of mirage/nccl.)
   for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
-    bool is_aten = name.name.rfind("aten::", 0) == 0;
-    bool is_c10d = name.name.rfind("c10d::", 0) == 0;
-    if (!is_aten && !is_c10d) continue;
+    if (name.name.rfind("aten::", 0) != 0) continue;
     auto op = dispatcher.findOp(name);
     if (!op || !op->hasKernelForDispatchKey(c10::DispatchKey::CPU)) continue;
-    // aten: only ops CUDA would reach through a composite wrapper. c10d: always, so that
-    // collectives on device tensors reach the process group's CPU backend (gloo) with CPU
-    // views of the device memory: zero-copy transport.
-    if (is_aten && op->hasKernelForDispatchKey(c10::DispatchKey::CUDA)) continue;
+    if (op->hasKernelForDispatchKey(c10::DispatchKey::CUDA)) continue;
     std::string qualified = name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name);
-    if (is_aten) {
-      aten.impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
-    } else {
-      c10d.impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&collective_fallback>());
-    }
+    aten.impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
   }
   return 0;
 }();
@@ -1048,7 +861,4 @@ TORCH_LIBRARY(mirage, m) {
   m.def("default_generator(int device) -> Generator?", [](int64_t device) {
     return mirage::default_generator(static_cast<c10::DeviceIndex>(device));
   });
-  m.def("shm_waits() -> str", [] { return mirage::shm::waits_json(); });
-  m.def("forget_process_group(str group_name) -> ()",
-        [](const std::string& group_name) { mirage::shm::forget_process_group(group_name); });
 }

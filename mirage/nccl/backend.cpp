@@ -1,0 +1,1212 @@
+// The emulated NCCL backend: a c10d Backend of its own, the one place every collective on an
+// emulated GPU passes, whoever issues it (Python, DDP's reducer, FSDP, functional collectives).
+//
+// It is what torch.distributed builds where it would build ProcessGroupNCCL (mirage puts this
+// class in its place, see mirage/runtime/distributed.py), so `init_process_group("nccl")`, the
+// cuda default, "cuda:nccl,cpu:gloo", new_group, DeviceMesh and every group a framework creates
+// get it for cuda. Data moves through same-host shared memory (shm_transport.cpp). Around each
+// operation this file does what ProcessGroupNCCL does around a kernel launch: NCCL's argument
+// checks and error messages, sequence numbers, Work objects with futures, profiler events named
+// as NCCL's ("nccl:all_reduce"), the watchdog's timeout handling (TORCH_NCCL_ASYNC_ERROR_HANDLING,
+// TORCH_NCCL_BLOCKING_WAIT), and the session's flight recorder (one JSON line per start and end
+// of an operation on the session socket, keyed by the communicator instance).
+//
+// Collectives run to completion in the calling thread, in issue order: on a GPU they would run
+// in issue order on the communicator's stream, and the caller could not touch their buffers
+// before waiting anyway. Point-to-point operations go to a worker thread that moves every
+// pending send and receive at once, as NCCL's stream would, so isend/irecv in any order and
+// batch_isend_irecv never deadlock.
+
+#include "shm_transport.h"
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/extension.h>
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <ctime>
+#include <deque>
+#include <iomanip>
+#include <iostream>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+namespace mirage::nccl {
+namespace {
+
+using c10d::OpType;
+using Op = c10d::ReduceOp::RedOpType;
+
+bool env_flag(const char* name, bool fallback) {
+  const char* value = std::getenv(name);
+  if (!value || !*value) return fallback;
+  return std::string(value) != "0" && std::string(value) != "false" && std::string(value) != "False";
+}
+
+int env_int(const char* name, int fallback) {
+  const char* value = std::getenv(name);
+  return value && *value ? std::atoi(value) : fallback;
+}
+
+const char* library() {
+  const char* vendor = std::getenv("MIRAGE_VENDOR");
+  return vendor && std::string(vendor) == "amd" ? "RCCL" : "NCCL";
+}
+
+// The dtypes NCCL has (ProcessGroupNCCL's ncclDataType map); bool travels as uint8.
+bool nccl_has(at::ScalarType t) {
+  switch (t) {
+    case at::kChar: case at::kByte: case at::kBool: case at::kInt: case at::kLong: case at::kHalf:
+    case at::kFloat: case at::kDouble: case at::kBFloat16: case at::kFloat8_e5m2: case at::kFloat8_e4m3fn:
+    case at::kFloat8_e4m3fnuz: case at::kFloat8_e5m2fnuz: case at::kUInt32: case at::kUInt64:
+    case at::kComplexFloat: case at::kComplexDouble: case at::kComplexHalf:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// ProcessGroupNCCL's checkSingleTensor.
+void check_tensor(const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.is_cuda() && !t.is_sparse(), "Tensors must be CUDA and dense");
+  TORCH_CHECK(t.is_contiguous(t.suggest_memory_format()), "Tensors must be contiguous");
+  TORCH_CHECK(nccl_has(t.scalar_type()), "Unsupported data type for NCCL process group: ", t.scalar_type());
+}
+
+// Complex tensors travel as their real views (NCCL has no complex type).
+at::Tensor as_real(const at::Tensor& t) { return t.is_complex() ? at::view_as_real(t) : t; }
+
+int64_t nbytes(const at::Tensor& t) { return static_cast<int64_t>(t.numel() * t.element_size()); }
+
+// NCCL's reduce op for `op` on `dtype` (ProcessGroupNCCL's getNcclReduceOp and its errors).
+Reduction reduction_of(const c10d::ReduceOp& op, const at::Tensor& t) {
+  Reduction r;
+  r.op = op.op_;
+  if (t.is_complex()) {
+    TORCH_CHECK_VALUE(c10d::isComplexViewAsRealAllowed(op), "all_reduce does not support ", op.op_,
+                      " on complex tensors");
+  }
+  if (t.scalar_type() == at::kBool) {
+    TORCH_CHECK_VALUE(op.op_ != Op::AVG, "Cannot use ReduceOp.AVG with boolean inputs");
+    if (op.op_ == Op::SUM) r.op = Op::MAX;
+    if (op.op_ == Op::PRODUCT) r.op = Op::MIN;
+  }
+  switch (op.op_) {
+    case Op::BAND: TORCH_CHECK_VALUE(false, "Cannot use ReduceOp.BAND with NCCL");
+    case Op::BOR: TORCH_CHECK_VALUE(false, "Cannot use ReduceOp.BOR with NCCL");
+    case Op::BXOR: TORCH_CHECK_VALUE(false, "Cannot use ReduceOp.BXOR with NCCL");
+    case Op::UNUSED: TORCH_CHECK_VALUE(false, "Unhandled ReduceOp");
+    default: break;
+  }
+  const at::ScalarType real = as_real(t).scalar_type();
+  TORCH_CHECK_VALUE(!at::isFloat8Type(real), "the emulated ", library(), " does not reduce ", real,
+                    " tensors (copies only: broadcast, all_gather, all_to_all, send/recv)");
+  TORCH_CHECK_VALUE(real != at::kUInt32 && real != at::kUInt64, "the emulated ", library(), " does not reduce ",
+                    real, " tensors");
+  if (op.op_ == Op::PREMUL_SUM) {
+    auto* supplement = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+    TORCH_CHECK(supplement, "PREMUL_SUM without its factor");
+    if (supplement->tensor_factor.defined()) {
+      // The factor's bytes, in the tensor's dtype (a device or CPU scalar).
+      r.factor_data = supplement->tensor_factor.to(real).data_ptr();
+    } else {
+      r.factor = supplement->double_factor;
+    }
+  }
+  return r;
+}
+
+std::string dtype_name(at::ScalarType t) {
+  return std::string(c10::getDtypeNames(t).first);
+}
+
+std::string json_string(const std::string& s) {
+  std::ostringstream out;
+  out << '"';
+  for (char c : s) {
+    if (c == '"' || c == '\\') out << '\\' << c;
+    else if (static_cast<unsigned char>(c) < 0x20) out << "\\u" << std::hex << std::setw(4) << std::setfill('0') << int(c) << std::dec;
+    else out << c;
+  }
+  out << '"';
+  return out.str();
+}
+
+// ---------------------------------------------------------------- the session's flight recorder
+
+// Where flight-recorder lines go: the process's connection to its session (set from Python once
+// attached; -1 outside a session). One line per write, under one lock, so lines never interleave.
+std::mutex g_session_mu;
+int g_session_fd = -1;
+
+void tell_session(const std::string& line) {
+  std::lock_guard<std::mutex> g(g_session_mu);
+  if (g_session_fd < 0) return;
+  const char* p = line.data();
+  size_t left = line.size();
+  while (left) {
+    ssize_t n = ::send(g_session_fd, p, left, MSG_NOSIGNAL);
+    if (n <= 0) return;  // the session is gone: its watch thread stops the process
+    p += n;
+    left -= static_cast<size_t>(n);
+  }
+}
+
+// What one operation was, for the recorder, the watchdog's message and _dump_nccl_trace.
+struct Record {
+  uint64_t id = 0;             // in this process, over all groups
+  uint64_t seq = 0;            // collective or p2p sequence number in the group
+  bool p2p = false;
+  std::string name;            // "all_reduce", "send", ...
+  std::string profiling;       // "nccl:all_reduce"
+  OpType type = OpType::UNKNOWN;
+  std::vector<std::vector<int64_t>> input_sizes, output_sizes;
+  std::string dtype;
+  int64_t numel_in = 0, numel_out = 0, bytes = 0;
+  std::string reduce_op;
+  int peer = -1;               // p2p: the other group rank
+  std::chrono::milliseconds timeout{0};
+  int64_t created_ns = 0, started_ns = 0, completed_ns = 0;
+  std::string state = "scheduled";
+};
+
+int64_t wall_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// The last TORCH_NCCL_TRACE_BUFFER_SIZE records of the process, for _dump_nccl_trace, as
+// ProcessGroupNCCL's FlightRecorder keeps them (0 keeps none).
+struct TraceBuffer {
+  std::mutex mu;
+  std::deque<std::pair<std::string, Record>> entries;  // (group name, record)
+  size_t capacity = static_cast<size_t>(std::max(0, env_int("TORCH_NCCL_TRACE_BUFFER_SIZE", 2000)));
+  uint64_t next_id = 0;
+};
+TraceBuffer& trace() {
+  static auto* buffer = new TraceBuffer();
+  return *buffer;
+}
+
+const char* op_type_name(OpType t) {
+  switch (t) {
+    case OpType::BROADCAST: return "BROADCAST";
+    case OpType::ALLREDUCE: return "ALLREDUCE";
+    case OpType::ALLREDUCE_COALESCED: return "ALLREDUCE_COALESCED";
+    case OpType::REDUCE: return "REDUCE";
+    case OpType::ALLGATHER: return "ALLGATHER";
+    case OpType::_ALLGATHER_BASE: return "_ALLGATHER_BASE";
+    case OpType::ALLGATHER_COALESCED: return "ALLGATHER_COALESCED";
+    case OpType::GATHER: return "GATHER";
+    case OpType::SCATTER: return "SCATTER";
+    case OpType::REDUCE_SCATTER: return "REDUCE_SCATTER";
+    case OpType::ALLTOALL_BASE: return "ALLTOALL_BASE";
+    case OpType::ALLTOALL: return "ALLTOALL";
+    case OpType::SEND: return "SEND";
+    case OpType::RECV: return "RECV";
+    case OpType::BARRIER: return "BARRIER";
+    case OpType::_REDUCE_SCATTER_BASE: return "_REDUCE_SCATTER_BASE";
+    case OpType::COALESCED: return "COALESCED";
+    default: return "UNKNOWN";
+  }
+}
+
+// ---------------------------------------------------------------- Work
+
+class EmulatedWork final : public c10d::Work {
+ public:
+  EmulatedWork(int rank, OpType type, const char* profiling_title, const std::vector<at::Tensor>& inputs,
+               std::vector<at::Tensor> outputs, uint64_t seq, std::string description)
+      : c10d::Work(rank, type, profiling_title, inputs), outputs_(std::move(outputs)), seq_(seq),
+        description_(std::move(description)) {
+    std::vector<c10::Device> devices;
+    for (const auto& t : outputs_) {
+      if (t.is_cuda() && std::find(devices.begin(), devices.end(), t.device()) == devices.end()) {
+        devices.push_back(t.device());
+      }
+    }
+    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(), devices);
+  }
+
+  // Completes the work (and its future); an error is kept for wait() to raise.
+  void complete(std::exception_ptr error = nullptr) {
+    if (error) {
+      future_->setError(error);
+    } else {
+      future_->markCompleted(c10::IValue(outputs_));
+    }
+    finish(error);
+  }
+
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  uint64_t getSequencenumber() const override { return seq_; }
+  void synchronize() override {}
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (timeout == std::chrono::milliseconds(0)) {  // kNoTimeout
+      cv_.wait(lock, [&] { return completed_; });
+    } else if (!cv_.wait_for(lock, timeout, [&] { return completed_; })) {
+      C10_THROW_ERROR(DistBackendError, "[Rank " + std::to_string(rank_) + "] " + description_ +
+                      " timed out in blocking wait after " + std::to_string(timeout.count()) + " ms.");
+    }
+    if (exception_) std::rethrow_exception(exception_);
+    return true;
+  }
+
+  const std::string& description() const { return description_; }
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  uint64_t seq_;
+  std::string description_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// A work made of others (the coalesced ops of a batch): complete when all of them are.
+class CoalescedWork final : public c10d::Work {
+ public:
+  CoalescedWork(int rank, std::vector<c10::intrusive_ptr<EmulatedWork>> works)
+      : c10d::Work(rank, OpType::COALESCED), works_(std::move(works)) {}
+  bool isCompleted() override {
+    return std::all_of(works_.begin(), works_.end(), [](auto& w) { return w->isCompleted(); });
+  }
+  bool isSuccess() const override {
+    return std::all_of(works_.begin(), works_.end(), [](auto& w) { return w->isSuccess(); });
+  }
+  std::exception_ptr exception() const override {
+    for (auto& w : works_) {
+      if (auto e = w->exception()) return e;
+    }
+    return nullptr;
+  }
+  bool wait(std::chrono::milliseconds timeout) override {
+    for (auto& w : works_) w->wait(timeout);
+    return true;
+  }
+  std::vector<at::Tensor> result() override {
+    std::vector<at::Tensor> all;
+    for (auto& w : works_) {
+      for (auto& t : w->result()) all.push_back(t);
+    }
+    return all;
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    c10::List<c10::intrusive_ptr<c10::ivalue::Future>> futures(c10::FutureType::create(c10::ListType::ofTensors()));
+    for (auto& w : works_) futures.push_back(w->getFuture());
+    auto all = c10::collectAll(futures);
+    auto result = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+    auto outputs = this->result();
+    all->addCallback([result, outputs](c10::ivalue::Future& f) {
+      if (f.hasError()) result->setError(f.exception_ptr());
+      else result->markCompleted(c10::IValue(outputs));
+    });
+    return result;
+  }
+
+ private:
+  std::vector<c10::intrusive_ptr<EmulatedWork>> works_;
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------- options
+
+struct NCCLConfig : torch::CustomClassHolder {
+  int blocking = 1;
+  int cga_cluster_size = 4;
+  int min_ctas = 1;
+  int max_ctas = 32;
+  std::string net_name;
+  int split_share = 0;
+  int cta_policy = 0;
+};
+
+struct Options : c10d::Backend::Options {
+  explicit Options(bool is_high_priority_stream = false)
+      : c10d::Backend::Options("nccl", std::chrono::minutes(10)), is_high_priority_stream(is_high_priority_stream),
+        config(c10::make_intrusive<NCCLConfig>()) {}
+  bool is_high_priority_stream;
+  c10::intrusive_ptr<NCCLConfig> config;
+  c10::intrusive_ptr<c10d::Backend> split_from;
+  int split_color = 0;
+};
+
+// ---------------------------------------------------------------- the backend
+
+class ProcessGroupNCCL final : public c10d::Backend {
+ public:
+  ProcessGroupNCCL(c10::intrusive_ptr<c10d::Store> store, int rank, int size, c10::intrusive_ptr<Options> options)
+      : c10d::Backend(rank, size), store_(std::move(store)), options_(std::move(options)), uid_(next_uid()++) {
+    blocking_wait_ = env_flag("TORCH_NCCL_BLOCKING_WAIT", false);
+    async_error_handling_ = env_int("TORCH_NCCL_ASYNC_ERROR_HANDLING", 3);
+    dump_on_timeout_ = env_flag("TORCH_NCCL_DUMP_ON_TIMEOUT", false);
+    comm_ = Communicator::connect(store_, rank, size, options_->timeout);
+    TORCH_CHECK_WITH(DistBackendError, comm_, library(), " error: the emulated ", library(),
+                     " runs inside a mirage session only (mirage run -- ...): no MIRAGE_SESSION, or /dev/shm "
+                     "has no room for the communicator");
+    if (std::getenv("NCCL_DEBUG") && (std::string(std::getenv("NCCL_DEBUG")) == "INFO" ||
+                                      std::string(std::getenv("NCCL_DEBUG")) == "TRACE")) {
+      log_init();
+    }
+  }
+
+  ~ProcessGroupNCCL() override { stop_worker(); }
+
+  const std::string getBackendName() const override { return "nccl"; }
+  c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override { return options_; }
+  c10::intrusive_ptr<Options> options() const { return options_; }
+  bool supportsCoalescing() const override { return true; }
+  bool supportsSplitting() const override { return false; }
+  uint64_t uid() const { return uid_; }
+  const std::string& instance() const { return comm_->instance(); }
+
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return seq_; }
+  void setTimeout(std::chrono::milliseconds timeout) override { options_->timeout = timeout; }
+  void add_ephemeral_timeout(std::chrono::milliseconds extra) { ephemeral_timeout_ += extra; }
+  void eagerConnectSingleDevice(at::Device) override {}
+
+  void startCoalescing() override {
+    std::lock_guard<std::mutex> g(mu_);
+    coalescing_ = true;
+    coalesced_.clear();
+  }
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override {
+    std::vector<c10::intrusive_ptr<EmulatedWork>> works;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      coalescing_ = false;
+      works.swap(coalesced_);
+    }
+    return c10::make_intrusive<CoalescedWork>(rank_, std::move(works));
+  }
+
+  // ------------------------------------------------------------ collectives
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override {
+    const at::Tensor& t = single(tensors);
+    const int root = static_cast<int>(opts.rootRank);
+    check_root(root);
+    return collective(OpType::BROADCAST, "nccl:broadcast", "broadcast", tensors, tensors, opts.timeout, "", [&] {
+      at::Tensor r = as_real(t);
+      comm_->broadcast(data(r), r.numel(), r.scalar_type(), root, timing_);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    const at::Tensor& t = single(tensors);
+    TORCH_CHECK(!opts.sparseIndices.has_value(), "the emulated ", library(), " has no sparse all_reduce");
+    const Reduction reduction = reduction_of(opts.reduceOp, t);
+    return collective(OpType::ALLREDUCE, "nccl:all_reduce", "all_reduce", tensors, tensors, opts.timeout,
+                      op_name(opts.reduceOp), [&] {
+      at::Tensor r = as_real(t);
+      comm_->all_reduce(data(r), r.numel(), r.scalar_type(), reduction, timing_);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override {
+    for (const auto& t : tensors) check_tensor(t);
+    return collective(OpType::COALESCED, "nccl:allreduce_coalesced", "all_reduce_coalesced", tensors, tensors,
+                      opts.timeout, op_name(opts.reduceOp), [&] {
+      for (const auto& t : tensors) {
+        at::Tensor r = as_real(t);
+        comm_->all_reduce(data(r), r.numel(), r.scalar_type(), reduction_of(opts.reduceOp, t), timing_);
+      }
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override {
+    const at::Tensor& t = single(tensors);
+    const int root = static_cast<int>(opts.rootRank);
+    check_root(root);
+    const Reduction reduction = reduction_of(opts.reduceOp, t);
+    return collective(OpType::REDUCE, "nccl:reduce", "reduce", tensors, tensors, opts.timeout, op_name(opts.reduceOp),
+                      [&] {
+      at::Tensor r = as_real(t);
+      comm_->reduce(data(r), r.numel(), r.scalar_type(), reduction, root, timing_);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) override {
+    const at::Tensor& in = single(inputs);
+    TORCH_CHECK_VALUE(outputs.size() == 1, "Expecting one output list, got ", outputs.size());
+    auto& outs = outputs[0];
+    check_list(outs, in, "output");
+    bool even = std::all_of(outs.begin(), outs.end(), [&](const at::Tensor& o) { return o.numel() == in.numel(); });
+    return collective(OpType::ALLGATHER, "nccl:all_gather", "all_gather", inputs, outs, opts.timeout, "", [&] {
+      at::Tensor r = as_real(in);
+      if (even) {
+        std::vector<char*> to;
+        for (const auto& o : outs) to.push_back(data(as_real(o)));
+        comm_->all_gather(to, data(r), r.numel(), r.scalar_type(), timing_);
+        return;
+      }
+      // Uneven sizes: a broadcast from each rank in turn, as ProcessGroupNCCL does them.
+      as_real(outs[rank_]).copy_(r);
+      for (int root = 0; root < size_; ++root) {
+        at::Tensor o = as_real(outs[root]);
+        comm_->broadcast(data(o), o.numel(), o.scalar_type(), root, timing_);
+      }
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
+                                                 const c10d::AllgatherOptions& opts) override {
+    check_tensor(out);
+    check_tensor(in);
+    TORCH_CHECK_VALUE(in.dtype() == out.dtype(), "output tensor must have the same type as input tensor");
+    TORCH_CHECK_VALUE(in.numel() * size_ == out.numel(),
+                      "output tensor size must be equal to world_size times input tensor size");
+    std::vector<at::Tensor> ins{in}, outs{out};
+    return collective(OpType::_ALLGATHER_BASE, "nccl:_all_gather_base", "all_gather_into_tensor", ins, outs,
+                      opts.timeout, "", [&] { gather_flat(out, in); });
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override {
+    TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "allgather_coalesced: one output list per input");
+    std::vector<at::Tensor> flat_outputs;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      check_tensor(inputs[i]);
+      check_list(outputs[i], inputs[i], "output");
+      for (const auto& o : outputs[i]) flat_outputs.push_back(o);
+    }
+    return collective(OpType::ALLGATHER_COALESCED, "nccl:all_gather_coalesced", "all_gather_coalesced", inputs,
+                      flat_outputs, opts.timeout, "", [&] {
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        std::vector<char*> to;
+        for (const auto& o : outputs[i]) to.push_back(data(as_real(o)));
+        at::Tensor r = as_real(inputs[i]);
+        comm_->all_gather(to, data(r), r.numel(), r.scalar_type(), timing_);
+      }
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override {
+    TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "one output tensor per input tensor");
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      check_tensor(inputs[i]);
+      check_tensor(outputs[i]);
+      TORCH_CHECK_VALUE(inputs[i].numel() * size_ == outputs[i].numel(),
+                        "output tensor size must be equal to world_size times input tensor size");
+    }
+    return collective(OpType::COALESCED, "nccl:allgather_into_tensor_coalesced", "all_gather_into_tensor_coalesced",
+                      inputs, outputs, opts.timeout, "", [&] {
+      for (size_t i = 0; i < inputs.size(); ++i) gather_flat(outputs[i], inputs[i]);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override {
+    const at::Tensor& out = single(outputs);
+    TORCH_CHECK_VALUE(inputs.size() == 1, "Expecting one input list, got ", inputs.size());
+    auto& ins = inputs[0];
+    check_list(ins, out, "input");
+    const Reduction reduction = reduction_of(opts.reduceOp, out);
+    bool even = std::all_of(ins.begin(), ins.end(), [&](const at::Tensor& i) { return i.numel() == out.numel(); });
+    return collective(OpType::REDUCE_SCATTER, "nccl:reduce_scatter", "reduce_scatter", ins, outputs, opts.timeout,
+                      op_name(opts.reduceOp), [&] {
+      if (even) {
+        at::Tensor flat = at::empty({size_ * as_real(out).numel()}, as_real(out).options().device(at::kCPU));
+        for (int r = 0; r < size_; ++r) {
+          flat.narrow(0, r * as_real(out).numel(), as_real(out).numel()).copy_(as_real(ins[r]).reshape(-1));
+        }
+        at::Tensor o = as_real(out);
+        comm_->reduce_scatter(data(o), static_cast<char*>(flat.data_ptr()), o.numel(), o.scalar_type(), reduction,
+                              timing_);
+        return;
+      }
+      // Uneven sizes: a reduce to each rank in turn, on copies (reduce writes its buffer).
+      for (int root = 0; root < size_; ++root) {
+        at::Tensor buffer = as_real(ins[root]).to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
+        comm_->reduce(static_cast<char*>(buffer.data_ptr()), buffer.numel(), buffer.scalar_type(), reduction, root,
+                      timing_);
+        if (root == rank_) as_real(out).copy_(buffer.view(as_real(out).sizes()));
+      }
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
+                                                      const c10d::ReduceScatterOptions& opts) override {
+    check_tensor(out);
+    check_tensor(in);
+    TORCH_CHECK_VALUE(in.dtype() == out.dtype(), "input tensor must be the same type as the output tensor.");
+    TORCH_CHECK_VALUE(in.numel() == out.numel() * size_,
+                      "input tensor must be the same size as output size times world size");
+    const Reduction reduction = reduction_of(opts.reduceOp, out);
+    std::vector<at::Tensor> ins{in}, outs{out};
+    return collective(OpType::_REDUCE_SCATTER_BASE, "nccl:_reduce_scatter_base", "reduce_scatter_tensor", ins, outs,
+                      opts.timeout, op_name(opts.reduceOp), [&] { scatter_flat(out, in, reduction); });
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& opts) override {
+    TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "one output tensor per input tensor");
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      check_tensor(inputs[i]);
+      check_tensor(outputs[i]);
+      TORCH_CHECK_VALUE(inputs[i].numel() == outputs[i].numel() * size_,
+                        "input tensor must be the same size as output size times world size");
+    }
+    return collective(OpType::COALESCED, "nccl:reduce_scatter_tensor_coalesced", "reduce_scatter_tensor_coalesced",
+                      inputs, outputs, opts.timeout, op_name(opts.reduceOp), [&] {
+      for (size_t i = 0; i < inputs.size(); ++i) scatter_flat(outputs[i], inputs[i], reduction_of(opts.reduceOp, outputs[i]));
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
+                                               std::vector<int64_t>& in_splits,
+                                               const c10d::AllToAllOptions& opts) override {
+    check_tensor(out);
+    check_tensor(in);
+    TORCH_CHECK_VALUE(in.dtype() == out.dtype(), "alltoall: input and output must have the same dtype");
+    const auto pieces = [&](const at::Tensor& t, const std::vector<int64_t>& splits) {
+      std::vector<std::pair<char*, size_t>> parts;
+      const int64_t rows = t.dim() ? t.size(0) : 1;
+      const size_t row_bytes = rows ? static_cast<size_t>(nbytes(t) / rows) : 0;
+      if (splits.empty()) {
+        TORCH_CHECK_VALUE(rows % size_ == 0, "Tensor's dim 0 does not divide equally across group size");
+      } else {
+        TORCH_CHECK_VALUE(static_cast<int>(splits.size()) == size_, "Number of tensor splits not equal to group size");
+        int64_t sum = 0;
+        for (int64_t s : splits) sum += s;
+        TORCH_CHECK_VALUE(sum == rows, "Split sizes doesn't match total dim 0 size");
+      }
+      char* p = data(t);
+      for (int r = 0; r < size_; ++r) {
+        const size_t n = row_bytes * static_cast<size_t>(splits.empty() ? rows / size_ : splits[r]);
+        parts.emplace_back(p, n);
+        p += n;
+      }
+      return parts;
+    };
+    auto send = pieces(in, in_splits), recv = pieces(out, out_splits);
+    std::vector<at::Tensor> ins{in}, outs{out};
+    return collective(OpType::ALLTOALL_BASE, "nccl:all_to_all", "all_to_all_single", ins, outs, opts.timeout, "",
+                      [&] { exchange_pieces(Kind::kAllToAll, -1, in.scalar_type(), send, recv); });
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins,
+                                          const c10d::AllToAllOptions& opts) override {
+    TORCH_CHECK_VALUE(static_cast<int>(outs.size()) == size_ && static_cast<int>(ins.size()) == size_,
+                      "alltoall: one input and one output tensor per rank");
+    std::vector<std::pair<char*, size_t>> send, recv;
+    for (int r = 0; r < size_; ++r) {
+      check_tensor(ins[r]);
+      check_tensor(outs[r]);
+      TORCH_CHECK_VALUE(ins[r].dtype() == outs[r].dtype(), "alltoall: input and output must have the same dtype");
+      send.emplace_back(data(ins[r]), static_cast<size_t>(nbytes(ins[r])));
+      recv.emplace_back(data(outs[r]), static_cast<size_t>(nbytes(outs[r])));
+    }
+    return collective(OpType::ALLTOALL, "nccl:all_to_all", "all_to_all", ins, outs, opts.timeout, "",
+                      [&] { exchange_pieces(Kind::kAllToAll, -1, ins[0].scalar_type(), send, recv); });
+  }
+
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override {
+    const at::Tensor& in = single(inputs);
+    const int root = static_cast<int>(opts.rootRank);
+    check_root(root);
+    std::vector<std::pair<char*, size_t>> send(size_, {nullptr, 0}), recv(size_, {nullptr, 0});
+    std::vector<at::Tensor> outs;
+    if (rank_ == root) {
+      TORCH_CHECK_VALUE(outputs.size() == 1, "gather: requires a single-element output list");
+      check_list(outputs[0], in, "output");
+      for (int r = 0; r < size_; ++r) recv[r] = {data(outputs[0][r]), static_cast<size_t>(nbytes(outputs[0][r]))};
+      outs = outputs[0];
+    } else {
+      TORCH_CHECK_VALUE(outputs.empty() || outputs[0].empty(), "gather: requires empty output on non-root");
+    }
+    send[root] = {data(in), static_cast<size_t>(nbytes(in))};
+    return collective(OpType::GATHER, "nccl:gather", "gather", inputs, outs, opts.timeout, "",
+                      [&] { exchange_pieces(Kind::kGather, root, in.scalar_type(), send, recv); });
+  }
+
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override {
+    const at::Tensor& out = single(outputs);
+    const int root = static_cast<int>(opts.rootRank);
+    check_root(root);
+    std::vector<std::pair<char*, size_t>> send(size_, {nullptr, 0}), recv(size_, {nullptr, 0});
+    std::vector<at::Tensor> ins;
+    if (rank_ == root) {
+      TORCH_CHECK_VALUE(inputs.size() == 1, "scatter: requires a single-element input list");
+      check_list(inputs[0], out, "input");
+      for (int r = 0; r < size_; ++r) send[r] = {data(inputs[0][r]), static_cast<size_t>(nbytes(inputs[0][r]))};
+      ins = inputs[0];
+    } else {
+      TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(), "scatter: requires empty input on non-root");
+    }
+    recv[root] = {data(out), static_cast<size_t>(nbytes(out))};
+    return collective(OpType::SCATTER, "nccl:scatter", "scatter", ins, outputs, opts.timeout, "",
+                      [&] { exchange_pieces(Kind::kScatter, root, out.scalar_type(), send, recv); });
+  }
+
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
+    std::vector<at::Tensor> none;
+    return collective(OpType::BARRIER, "nccl:all_reduce_barrier", "barrier", none, none, opts.timeout, "", [&] {
+      comm_->agree(Call{Kind::kBarrier, 0, 0, 0, 0}, timing_);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>&, int) override {
+    TORCH_CHECK(false, "ProcessGroupNCCL does not support recvAnysource");
+  }
+
+  // ------------------------------------------------------------ point-to-point
+
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int) override {
+    return point_to_point(tensors, dst, true);
+  }
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int) override {
+    return point_to_point(tensors, src, false);
+  }
+
+  // ------------------------------------------------------------ lifetime
+
+  void abort() override { stop_worker(); }
+  void shutdown() override { stop_worker(); }
+  c10d::ErrorType getError() override { return failed_ ? c10d::ErrorType::COMM_ERROR : c10d::ErrorType::SUCCESS; }
+
+  static void set_session_fd(int fd) {
+    std::lock_guard<std::mutex> g(g_session_mu);
+    g_session_fd = fd;
+  }
+
+
+ private:
+  static uint64_t& next_uid() {
+    static uint64_t uid = 0;
+    return uid;
+  }
+
+  static char* data(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
+
+  const at::Tensor& single(std::vector<at::Tensor>& tensors) const {
+    TORCH_CHECK_VALUE(tensors.size() == 1, "Expecting one tensor only but got multiple");
+    check_tensor(tensors[0]);
+    return tensors[0];
+  }
+
+  void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, const char* what) const {
+    TORCH_CHECK_VALUE(static_cast<int>(list.size()) == size_, "Tensor list input to scatter/gather must match number "
+                      "of collective participants but got ", list.size(), " ", what, "s for ", size_, " ranks");
+    for (const auto& t : list) {
+      check_tensor(t);
+      TORCH_CHECK_VALUE(t.dtype() == like.dtype(), "Tensors must have identical type");
+    }
+  }
+
+  void check_root(int root) const {
+    TORCH_CHECK_VALUE(root >= 0 && root < size_, "Invalid rootRank ", root, " for a group of ", size_);
+  }
+
+  static std::string op_name(const c10d::ReduceOp& op) {
+    std::ostringstream name;
+    name << op.op_;
+    return name.str();
+  }
+
+  std::string group_name() const { return options_->group_name.empty() ? "0" : options_->group_name; }
+
+  std::vector<uint64_t> group_ranks() const {
+    if (!options_->global_ranks_in_group.empty()) return options_->global_ranks_in_group;
+    std::vector<uint64_t> ranks;
+    for (int r = 0; r < size_; ++r) ranks.push_back(static_cast<uint64_t>(r));
+    return ranks;
+  }
+
+  int my_global_rank() const {
+    if (!options_->global_ranks_in_group.empty()) return static_cast<int>(options_->global_ranks_in_group[rank_]);
+    return rank_;  // the default group (torch gives it no list): group ranks are global ranks
+  }
+
+  std::chrono::milliseconds timeout_for(std::chrono::milliseconds asked) const {
+    auto t = asked == c10d::kUnsetTimeout ? options_->timeout + ephemeral_timeout_ : asked;
+    return std::min<std::chrono::milliseconds>(t, std::chrono::hours(24 * 365));  // timedelta.max: forever enough
+  }
+
+  std::string describe_work(const Record& r) const {
+    std::ostringstream text;
+    text << "WorkNCCL(SeqNum=" << r.seq << ", OpType=" << op_type_name(r.type) << ", NumelIn=" << r.numel_in
+         << ", NumelOut=" << r.numel_out << ", Timeout(ms)=" << r.timeout.count() << ")";
+    return text.str();
+  }
+
+  std::string log_prefix() const {
+    return "[PG ID " + std::to_string(uid_) + " PG GUID " + group_name() + "(" + options_->group_desc + ") Rank " +
+           std::to_string(rank_) + "] ";
+  }
+
+  Record make_record(OpType type, const char* profiling, const char* name, const std::vector<at::Tensor>& ins,
+                     const std::vector<at::Tensor>& outs, std::chrono::milliseconds timeout, std::string reduce_op,
+                     bool p2p) {
+    Record r;
+    r.p2p = p2p;
+    r.seq = p2p ? ++p2p_seq_ : ++seq_;
+    r.name = name;
+    r.profiling = profiling;
+    r.type = type;
+    r.timeout = timeout;
+    r.reduce_op = std::move(reduce_op);
+    for (const auto& t : ins) {
+      r.input_sizes.push_back(t.sizes().vec());
+      r.numel_in += t.numel();
+      r.bytes += nbytes(t);
+    }
+    for (const auto& t : outs) {
+      r.output_sizes.push_back(t.sizes().vec());
+      r.numel_out += t.numel();
+    }
+    const auto& any = !ins.empty() ? ins : outs;
+    if (!any.empty()) r.dtype = dtype_name(any[0].scalar_type());
+    r.created_ns = wall_ns();
+    return r;
+  }
+
+  // One line to the session's flight recorder (see mirage/daemon/flight_recorder.py).
+  void record(const Record& r, bool entering) {
+    if (entering) {
+      std::ostringstream line;
+      line << "{\"op\": \"collective\", \"phase\": \"enter\", \"rank\": " << my_global_rank()
+           << ", \"group\": " << json_string(group_name()) << ", \"instance\": " << json_string(instance())
+           << ", \"seq\": " << r.seq << ", \"p2p\": " << (r.p2p ? "true" : "false") << ", \"group_ranks\": [";
+      const char* sep = "";
+      for (auto g : group_ranks()) {
+        line << sep << g;
+        sep = ", ";
+      }
+      line << "], \"name\": " << json_string(r.name) << ", \"dtype\": "
+           << (r.dtype.empty() ? "null" : json_string(r.dtype)) << ", \"shapes\": [";
+      sep = "";
+      const auto& shapes = r.input_sizes.empty() ? r.output_sizes : r.input_sizes;
+      for (size_t i = 0; i < shapes.size() && i < 4; ++i) {
+        line << sep << "[";
+        const char* comma = "";
+        for (auto d : shapes[i]) {
+          line << comma << d;
+          comma = ", ";
+        }
+        line << "]";
+        sep = ", ";
+      }
+      line << "], \"numel\": " << r.numel_in << ", \"bytes\": " << r.bytes << ", \"reduce_op\": "
+           << (r.reduce_op.empty() ? "null" : json_string(r.reduce_op));
+      if (r.p2p) line << ", \"peer\": " << group_ranks()[r.peer];
+      line << "}\n";
+      tell_session(line.str());
+    } else {
+      tell_session("{\"op\": \"collective\", \"phase\": \"exit\", \"rank\": " + std::to_string(my_global_rank()) +
+                   ", \"instance\": " + json_string(instance()) + ", \"seq\": " + std::to_string(r.seq) +
+                   ", \"p2p\": " + (r.p2p ? "true" : "false") + "}\n");
+    }
+  }
+
+  void keep_trace(const Record& r) {
+    TraceBuffer& buffer = trace();
+    std::lock_guard<std::mutex> g(buffer.mu);
+    if (!buffer.capacity) return;
+    Record copy = r;
+    copy.id = buffer.next_id++;
+    buffer.entries.emplace_back(group_name(), std::move(copy));
+    while (buffer.entries.size() > buffer.capacity) buffer.entries.pop_front();
+  }
+
+  void finish_trace(const Record& r) {
+    TraceBuffer& buffer = trace();
+    std::lock_guard<std::mutex> g(buffer.mu);
+    for (auto it = buffer.entries.rbegin(); it != buffer.entries.rend(); ++it) {
+      if (it->second.seq == r.seq && it->second.p2p == r.p2p && it->first == group_name()) {
+        const uint64_t id = it->second.id;
+        it->second = r;
+        it->second.id = id;
+        break;
+      }
+    }
+  }
+
+  // What the watchdog does with a failed operation: NCCL's timeout message; then, unless the
+  // user asked for errors in the caller (TORCH_NCCL_BLOCKING_WAIT=1, or async error handling
+  // off), the process is taken down as ProcessGroupNCCL's watchdog takes it down.
+  std::exception_ptr on_failure(const Record& r, const std::exception& e, bool timed_out) {
+    failed_ = true;
+    std::string message = timed_out ? log_prefix() + "Watchdog caught collective operation timeout: " +
+                                          describe_work(r) + " " + e.what()
+                                    : log_prefix() + describe_work(r) + " failed: " + e.what();
+    if (timed_out && !blocking_wait_ && async_error_handling_ != 0) {
+      std::ostringstream log;
+      const std::time_t now = std::time(nullptr);
+      char stamp[32];
+      std::strftime(stamp, sizeof(stamp), "%m%d %H:%M:%S", std::localtime(&now));
+      log << "[rank" << my_global_rank() << "]:[E" << stamp << " ProcessGroupNCCL.cpp] " << message << "\n"
+          << "[rank" << my_global_rank() << "]:[E" << stamp << " ProcessGroupNCCL.cpp] " << log_prefix()
+          << "To avoid data inconsistency, we are taking the entire process down.\n";
+      std::cerr << log.str() << std::flush;
+      if (dump_on_timeout_) std::cerr << log_prefix() << "flight recorder: see torch._C._distributed_c10d._dump_nccl_trace()\n";
+      std::abort();
+    }
+    return std::make_exception_ptr(c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, __LINE__}, message));
+  }
+
+  // Runs one collective: checks, sequence number, recorder, profiler event, the transfer, the Work.
+  template <typename Fn>
+  c10::intrusive_ptr<c10d::Work> collective(OpType type, const char* profiling, const char* name,
+                                            const std::vector<at::Tensor>& ins, const std::vector<at::Tensor>& outs,
+                                            std::chrono::milliseconds asked_timeout, std::string reduce_op, Fn&& run) {
+    std::lock_guard<std::mutex> serial(collective_mu_);  // the communicator's stream: one at a time
+    const auto timeout = timeout_for(asked_timeout);
+    Record r = make_record(type, profiling, name, ins, outs, timeout, std::move(reduce_op), false);
+    auto work = c10::make_intrusive<EmulatedWork>(rank_, type, profiling, ins, outs, r.seq, describe_work(r));
+    check_distinct_gpus(ins.empty() ? outs : ins);
+    timing_ = Timing{Clock::now() + timeout, timeout, describe_work(r), r.seq};
+    r.started_ns = wall_ns();
+    r.state = "started";
+    keep_trace(r);
+    record(r, true);
+    std::exception_ptr error;
+    try {
+      comm_->check_usable(timing_.what);
+      run();
+    } catch (const c10::DistBackendError& e) {
+      const bool timed_out = std::string(e.what()).find("before timing out") != std::string::npos;
+      error = on_failure(r, e, timed_out);
+    }
+    r.completed_ns = wall_ns();
+    r.state = "completed";
+    finish_trace(r);
+    record(r, false);
+    work->complete(error);
+    std::lock_guard<std::mutex> g(mu_);
+    if (coalescing_) coalesced_.push_back(work);
+    return work;
+  }
+
+  void gather_flat(const at::Tensor& out, const at::Tensor& in) {
+    at::Tensor r = as_real(in), o = as_real(out);
+    std::vector<char*> to;
+    for (int k = 0; k < size_; ++k) to.push_back(data(o) + k * nbytes(r));
+    comm_->all_gather(to, data(r), r.numel(), r.scalar_type(), timing_);
+  }
+
+  void scatter_flat(const at::Tensor& out, const at::Tensor& in, const Reduction& reduction) {
+    at::Tensor r = as_real(in), o = as_real(out);
+    comm_->reduce_scatter(data(o), data(r), o.numel(), o.scalar_type(), reduction, timing_);
+  }
+
+  // gather, scatter, all_to_all: the calls agreed, then pair rings carry the pieces
+  // (send[r] goes to rank r, recv[r] comes from it; this rank's own piece is copied).
+  void exchange_pieces(Kind kind, int root, at::ScalarType dtype, const std::vector<std::pair<char*, size_t>>& send,
+                       const std::vector<std::pair<char*, size_t>>& recv) {
+    comm_->agree(Call{kind, static_cast<int32_t>(dtype), root, 0, -1}, timing_);
+    std::vector<Transfer> transfers;
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) {
+        if (send[r].first && recv[r].first) {
+          TORCH_CHECK_VALUE(send[r].second == recv[r].second, "the piece this rank sends itself (", send[r].second,
+                            " bytes) differs from the piece it receives (", recv[r].second, " bytes)");
+          std::memmove(recv[r].first, send[r].first, send[r].second);
+        }
+        continue;
+      }
+      if (send[r].first) transfers.push_back(Transfer{true, r, send[r].first, send[r].second, timing_.deadline, timing_.timeout});
+      if (recv[r].first) transfers.push_back(Transfer{false, r, recv[r].first, recv[r].second, timing_.deadline, timing_.timeout});
+    }
+    comm_->transfer(transfers, 1, timing_.what);
+  }
+
+  // NCCL refuses a communicator with two ranks on one GPU at its first collective; so do we.
+  void check_distinct_gpus(const std::vector<at::Tensor>& tensors) {
+    if (gpus_checked_) return;
+    gpus_checked_ = true;
+    const int device = tensors.empty() ? c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index()
+                                       : tensors[0].device().index();
+    const char* host = std::getenv("NCCL_HOSTID");
+    const char* visible = std::getenv("MIRAGE_VISIBLE_GPUS");
+    int node_gpu = device;
+    if (visible && *visible) {
+      std::stringstream list(visible);
+      std::string item;
+      for (int i = 0; std::getline(list, item, ','); ++i) {
+        if (i == device) node_gpu = std::atoi(item.c_str());
+      }
+    }
+    int64_t mine[2] = {static_cast<int64_t>(std::hash<std::string>{}(host ? host : "")), node_gpu};
+    std::vector<int64_t> all(2 * static_cast<size_t>(size_));
+    std::vector<char*> to;
+    for (int r = 0; r < size_; ++r) to.push_back(reinterpret_cast<char*>(all.data() + 2 * r));
+    Timing timing{Clock::now() + options_->timeout, options_->timeout, "the communicator's first collective"};
+    comm_->all_gather(to, reinterpret_cast<const char*>(mine), 2, at::kLong, timing);
+    for (int a = 0; a < size_; ++a) {
+      for (int b = 0; b < a; ++b) {
+        if (all[2 * a] == all[2 * b] && all[2 * a + 1] == all[2 * b + 1] && (a == rank_ || b == rank_)) {
+          failed_ = true;
+          TORCH_CHECK_WITH(DistBackendError, false, library(), " error: invalid usage (run with NCCL_DEBUG=WARN for "
+              "details)\nncclInvalidUsage: This usually reflects invalid usage of NCCL library.\nLast error:\n"
+              "Duplicate GPU detected : rank ", a, " and rank ", b, " both on CUDA device ", node_gpu,
+              " (mirage: emulated node ", host ? host : "?", "; give each rank its own GPU, e.g. "
+              "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before the first collective)");
+        }
+      }
+    }
+  }
+
+  void log_init() const {
+    std::cerr << "mirage-node" << (std::getenv("MIRAGE_NODE_RANK") ? std::getenv("MIRAGE_NODE_RANK") : "0") << ":"
+              << getpid() << " " << library() << " INFO comm " << instance() << " rank " << rank_ << " nRanks "
+              << size_ << " - Init COMPLETE (mirage emulated " << library() << ", group " << group_name()
+              << ", transport shared memory)" << std::endl;
+  }
+
+  // ------------------------------------------------------------ the point-to-point worker
+
+  struct Pending {
+    c10::intrusive_ptr<EmulatedWork> work;
+    Record record;
+    Transfer transfer;
+  };
+
+  c10::intrusive_ptr<c10d::Work> point_to_point(std::vector<at::Tensor>& tensors, int peer, bool sending) {
+    const at::Tensor& t = single(tensors);
+    TORCH_CHECK_VALUE(peer >= 0 && peer < size_ && peer != rank_, "Invalid ", sending ? "destination" : "source",
+                      " rank ", peer, " for a group of ", size_, " (this rank ", rank_, ")");
+    const auto timeout = timeout_for(c10d::kUnsetTimeout);
+    std::string profiling = std::string(sending ? "nccl:send " : "nccl:recv ") + std::to_string(rank_) +
+                            (sending ? "->" : "<-") + std::to_string(peer);
+    Pending p;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      p.record = make_record(sending ? OpType::SEND : OpType::RECV, profiling.c_str(), sending ? "send" : "recv",
+                             tensors, tensors, timeout, "", true);
+    }
+    p.record.peer = peer;
+    p.work = c10::make_intrusive<EmulatedWork>(rank_, p.record.type, profiling.c_str(), tensors, tensors, p.record.seq,
+                                               describe_work(p.record));
+    p.transfer = Transfer{sending, peer, data(t), static_cast<size_t>(nbytes(t)), Clock::now() + timeout, timeout};
+    keep_trace(p.record);
+    record(p.record, true);
+    c10::intrusive_ptr<EmulatedWork> work = p.work;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (coalescing_) coalesced_.push_back(work);
+      queue_.push_back(std::move(p));
+      if (!worker_.joinable()) worker_ = std::thread([this] { run_worker(); });
+    }
+    queue_cv_.notify_one();
+    return work;
+  }
+
+  void run_worker() {
+    std::vector<Pending> active;
+    std::vector<Transfer> transfers;
+    const auto take_new = [&](std::vector<Transfer>& list) {
+      std::lock_guard<std::mutex> g(mu_);
+      while (!queue_.empty()) {
+        active.push_back(std::move(queue_.front()));
+        queue_.pop_front();
+        list.push_back(active.back().transfer);
+      }
+    };
+    const auto finished = [&](size_t i) {
+      active[i].record.completed_ns = wall_ns();
+      active[i].record.state = "completed";
+      finish_trace(active[i].record);
+      record(active[i].record, false);
+      active[i].work->complete();
+    };
+    while (true) {
+      {
+        std::unique_lock<std::mutex> g(mu_);
+        queue_cv_.wait(g, [&] { return stopping_ || !queue_.empty(); });
+        if (stopping_) return;
+      }
+      active.clear();
+      transfers.clear();
+      take_new(transfers);
+      try {
+        comm_->transfer(transfers, 0, "point-to-point " + describe_work(active[0].record), take_new, finished);
+      } catch (const c10::DistBackendError& e) {
+        for (size_t i = 0; i < active.size(); ++i) {
+          if (transfers[i].finished()) continue;
+          active[i].work->complete(on_failure(active[i].record, e, std::string(e.what()).find("before timing out") != std::string::npos));
+        }
+      }
+    }
+  }
+
+  void stop_worker() {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      stopping_ = true;
+    }
+    queue_cv_.notify_all();
+    if (worker_.joinable()) {
+      if (worker_.get_id() == std::this_thread::get_id()) worker_.detach();
+      else worker_.join();
+    }
+  }
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<Options> options_;
+  uint64_t uid_;
+  std::unique_ptr<Communicator> comm_;
+  bool blocking_wait_ = false;
+  int async_error_handling_ = 3;
+  bool dump_on_timeout_ = false;
+  std::chrono::milliseconds ephemeral_timeout_{0};
+  std::mutex collective_mu_;
+  Timing timing_;  // of the collective in progress (under collective_mu_)
+  std::atomic<uint64_t> seq_{0}, p2p_seq_{0};
+  bool gpus_checked_ = false;
+  std::atomic<bool> failed_{false};
+  std::mutex mu_;  // coalescing state and the point-to-point queue
+  bool coalescing_ = false;
+  std::vector<c10::intrusive_ptr<EmulatedWork>> coalesced_;
+  std::deque<Pending> queue_;
+  std::condition_variable queue_cv_;
+  bool stopping_ = false;
+  std::thread worker_;
+};
+
+// The process's recent operations as JSON, for _dump_nccl_trace (built into NCCL's pickle in Python).
+std::string trace_json(bool only_active) {
+  TraceBuffer& buffer = trace();
+  std::lock_guard<std::mutex> g(buffer.mu);
+  std::ostringstream out;
+  out << "[";
+  const char* sep = "";
+  for (const auto& [group, r] : buffer.entries) {
+    if (only_active && r.state == "completed") continue;
+    const auto sizes = [&](const std::vector<std::vector<int64_t>>& list) {
+      std::ostringstream s;
+      s << "[";
+      for (size_t i = 0; i < list.size(); ++i) {
+        s << (i ? ", " : "") << "[";
+        for (size_t j = 0; j < list[i].size(); ++j) s << (j ? ", " : "") << list[i][j];
+        s << "]";
+      }
+      s << "]";
+      return s.str();
+    };
+    out << sep << "{\"record_id\": " << r.id << ", \"group\": " << json_string(group)
+        << ", \"seq\": " << r.seq << ", \"p2p\": " << (r.p2p ? "true" : "false")
+        << ", \"profiling_name\": " << json_string(r.profiling) << ", \"time_created_ns\": " << r.created_ns
+        << ", \"time_started_ns\": " << r.started_ns << ", \"time_completed_ns\": " << r.completed_ns
+        << ", \"input_sizes\": " << sizes(r.input_sizes) << ", \"output_sizes\": " << sizes(r.output_sizes)
+        << ", \"dtype\": " << json_string(r.dtype) << ", \"state\": " << json_string(r.state)
+        << ", \"timeout_ms\": " << r.timeout.count() << "}";
+    sep = ", ";
+  }
+  out << "]";
+  return out.str();
+}
+
+}  // namespace mirage::nccl
+
+namespace {
+
+// As torch's own bindings hold backends: the last reference dropped without the GIL.
+template <typename T>
+class NoGilHolder {
+ public:
+  NoGilHolder() = default;
+  /* implicit */ NoGilHolder(c10::intrusive_ptr<T> impl) : impl_(std::move(impl)) {}
+  explicit NoGilHolder(T* impl) : impl_(c10::intrusive_ptr<T>::unsafe_steal_from_new(impl)) {}
+  ~NoGilHolder() {
+    if (impl_ && PyGILState_Check()) {
+      pybind11::gil_scoped_release release;
+      impl_.reset();
+    }
+  }
+  NoGilHolder(const NoGilHolder&) = default;
+  NoGilHolder(NoGilHolder&&) noexcept = default;
+  NoGilHolder& operator=(const NoGilHolder&) = default;
+  NoGilHolder& operator=(NoGilHolder&&) noexcept = default;
+  T* get() const noexcept { return impl_.get(); }
+  T& operator*() const noexcept { return *impl_; }
+  T* operator->() const noexcept { return impl_.get(); }
+
+ private:
+  c10::intrusive_ptr<T> impl_;
+};
+
+}  // namespace
+
+PYBIND11_DECLARE_HOLDER_TYPE(T, NoGilHolder<T>, true)
+
+// ProcessGroupNCCL.NCCL_CTA_POLICY_* (ncclConfig_t's CTA policies).
+static const int kCtaDefault = 0, kCtaEfficiency = 1, kCtaZero = 2;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  using mirage::nccl::NCCLConfig;
+  using mirage::nccl::Options;
+  using mirage::nccl::ProcessGroupNCCL;
+  m.doc() = "mirage's emulated NCCL: a c10d backend over same-host shared memory";
+  py::module::import("torch._C._distributed_c10d");  // registers the base classes
+
+  auto pg = py::class_<ProcessGroupNCCL, c10d::Backend, NoGilHolder<ProcessGroupNCCL>>(m, "ProcessGroupNCCL");
+  py::class_<NCCLConfig, c10::intrusive_ptr<NCCLConfig>>(pg, "NCCLConfig")
+      .def(py::init<>())
+      .def_readwrite("blocking", &NCCLConfig::blocking)
+      .def_readwrite("cga_cluster_size", &NCCLConfig::cga_cluster_size)
+      .def_readwrite("min_ctas", &NCCLConfig::min_ctas)
+      .def_readwrite("max_ctas", &NCCLConfig::max_ctas)
+      .def_readwrite("net_name", &NCCLConfig::net_name)
+      .def_readwrite("split_share", &NCCLConfig::split_share)
+      .def_readwrite("cta_policy", &NCCLConfig::cta_policy);
+  py::class_<Options, c10d::Backend::Options, c10::intrusive_ptr<Options>>(pg, "Options")
+      .def(py::init<bool>(), py::arg("is_high_priority_stream") = false)
+      .def_readwrite("is_high_priority_stream", &Options::is_high_priority_stream)
+      .def_readwrite("config", &Options::config)
+      .def_readwrite("split_from", &Options::split_from)
+      .def_readwrite("split_color", &Options::split_color)
+      .def("__copy__", [](const Options& self) { return c10::make_intrusive<Options>(self); })
+      .def("__deepcopy__", [](const Options& self, py::dict) { return c10::make_intrusive<Options>(self); });
+  pg.def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                     c10::intrusive_ptr<Options> options) {
+           return c10::make_intrusive<ProcessGroupNCCL>(store, rank, size, std::move(options));
+         }),
+         py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options") = c10::make_intrusive<Options>(),
+         py::call_guard<py::gil_scoped_release>())
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       std::chrono::milliseconds timeout) {
+             auto options = c10::make_intrusive<Options>();
+             options->timeout = timeout;
+             return c10::make_intrusive<ProcessGroupNCCL>(store, rank, size, std::move(options));
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("options", &ProcessGroupNCCL::options)
+      .def_property_readonly("uid", &ProcessGroupNCCL::uid)
+      .def_property_readonly("_instance", &ProcessGroupNCCL::instance)
+      .def("_add_ephemeral_timeout", &ProcessGroupNCCL::add_ephemeral_timeout)
+      .def("_set_default_timeout", [](ProcessGroupNCCL& self, std::chrono::milliseconds t) { self.setTimeout(t); })
+      .def("_group_start", [](ProcessGroupNCCL& self) { self.startCoalescing(); })
+      .def("_group_end", [](ProcessGroupNCCL& self) { self.endCoalescing(); })
+      .def("comm_split_count", [](ProcessGroupNCCL&) { return 0; })
+      .def("_is_initialized", [](ProcessGroupNCCL&) { return true; })
+      .def("perform_nocolor_split", [](ProcessGroupNCCL&, at::Device) {})
+      .def("_verify_work_timeout", [](ProcessGroupNCCL&, const c10::intrusive_ptr<c10d::Work>&,
+                                      std::chrono::milliseconds) { return false; })
+      .def("_shutdown", [](ProcessGroupNCCL& self) { self.shutdown(); }, py::call_guard<py::gil_scoped_release>())
+      .def_readonly_static("NCCL_CTA_POLICY_DEFAULT", &kCtaDefault)
+      .def_readonly_static("NCCL_CTA_POLICY_EFFICIENCY", &kCtaEfficiency)
+      .def_readonly_static("NCCL_CTA_POLICY_ZERO", &kCtaZero);
+  m.def("_set_session_fd", &ProcessGroupNCCL::set_session_fd);
+  m.def("_trace_json", &mirage::nccl::trace_json, py::arg("only_active") = false);
+}

@@ -1,0 +1,563 @@
+// Same-host shared-memory transport of the emulated NCCL backend.
+//
+// Collectives use the group's segment: each rank copies its part into its slot, a futex barrier,
+// each rank reads what it needs. Gloo over TCP loopback pushes every byte through the kernel on
+// every hop; here a byte is copied in and copied out. all_reduce splits the reduction between the
+// ranks (reduce-scatter, then every rank copies the whole result back: the split NCCL's ring
+// makes, with memory instead of links). Tensors go through in chunks that alternate between two
+// buffers, so a rank may fill the next chunk while a slow peer still reads the previous one: one
+// barrier per chunk (two for a large all_reduce chunk). Each element is reduced in rank order by
+// one expression, so every rank gets the same bits. At the first barrier of a call every rank
+// sees every peer's call (collective, size, dtype, op or root), so a desync fails on all ranks,
+// naming each call.
+//
+// Point-to-point traffic (send/recv, and the collectives NCCL itself builds from it: gather,
+// scatter, all_to_all, uneven all_gather) goes through one single-producer ring per ordered pair
+// of ranks and channel, a segment created on first use under a name both ranks can derive. Each
+// message carries its length, so a receive that matches a send of another size fails on both
+// sides rather than mixing messages. A rank blocked on its rings sleeps on its own doorbell word
+// in the group segment, which peers ring whenever they fill or drain one of its rings.
+//
+// Names: /mirage-<uid>-<session>.collectives-<id>[.p2p-...], so the run's teardown and `mirage
+// cleanup` find segments a rank left behind by dying before every peer mapped them.
+
+#include "shm_transport.h"
+
+#include <ATen/Dispatch.h>
+#include <c10/util/Exception.h>
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <sstream>
+#include <thread>
+#include <type_traits>
+
+namespace mirage::nccl {
+
+const char* kind_name(Kind kind) {
+  static const char* const kNames[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
+                                       "gather", "scatter", "all_to_all", "barrier", "all_gather (uneven)",
+                                       "reduce_scatter (uneven)"};
+  auto i = static_cast<size_t>(kind);
+  return i < sizeof(kNames) / sizeof(kNames[0]) ? kNames[i] : "?";
+}
+
+namespace {
+
+// Per rank and buffer. Small enough that a chunk's slots (N x this) stay in cache from the
+// copy-in to the reduction to the copy-out; measured best overall for 2-8 ranks on 2 cores
+// (docs/benchmarks.md). A group's segment is 2 x N x this: 8 MiB for 32 ranks.
+constexpr size_t kSlotBytes = size_t{128} << 10;
+constexpr size_t kSmallChunkBytes = size_t{64} << 10;  // below this every rank reduces it all
+constexpr size_t kPage = 4096;
+constexpr int kChannels = 2;
+
+using Op = c10d::ReduceOp::RedOpType;
+
+// acc = acc (op) x, elementwise. Plain loops (vectorised by the compiler), not ATen kernels:
+// those would wake intra-op threads, and with more ranks than cores the peers need every core.
+template <typename T>
+void accumulate(T* __restrict acc, const T* __restrict x, int64_t n, Op op) {
+  switch (op) {
+    case Op::SUM:
+    case Op::AVG:
+    case Op::PREMUL_SUM:
+      for (int64_t i = 0; i < n; ++i) acc[i] = acc[i] + x[i];
+      return;
+    case Op::PRODUCT:
+      for (int64_t i = 0; i < n; ++i) acc[i] = acc[i] * x[i];
+      return;
+    default:
+      break;
+  }
+  if constexpr (!c10::is_complex<T>::value) {
+    // NaN wins, as in torch.minimum / torch.maximum (a != a only for NaN).
+    switch (op) {
+      case Op::MIN:
+        for (int64_t i = 0; i < n; ++i) acc[i] = (acc[i] != acc[i] || acc[i] < x[i]) ? acc[i] : x[i];
+        return;
+      case Op::MAX:
+        for (int64_t i = 0; i < n; ++i) acc[i] = (acc[i] != acc[i] || acc[i] > x[i]) ? acc[i] : x[i];
+        return;
+      default:
+        break;
+    }
+  }
+  TORCH_CHECK_VALUE(false, "the emulated NCCL cannot apply this reduce op to ", c10::CppTypeToScalarType<T>::value);
+}
+
+// NCCL reduces bool as uint8 (ProcessGroupNCCL maps SUM to MAX and PRODUCT to MIN for it).
+at::ScalarType reduced_as(at::ScalarType dtype) { return dtype == at::kBool ? at::kByte : dtype; }
+
+void accumulate(at::ScalarType dtype, char* acc, const char* x, int64_t n, Op op) {
+  AT_DISPATCH_ALL_TYPES_AND_COMPLEX_AND2(at::kHalf, at::kBFloat16, reduced_as(dtype), "mirage_nccl_reduce", [&] {
+    accumulate(reinterpret_cast<scalar_t*>(acc), reinterpret_cast<const scalar_t*>(x), n, op);
+  });
+}
+
+// PREMUL_SUM's scaling of one rank's contribution (data *= factor), and AVG's final division.
+void scale(at::ScalarType dtype, char* data, int64_t n, const Reduction& reduction, int divisor) {
+  AT_DISPATCH_ALL_TYPES_AND_COMPLEX_AND2(at::kHalf, at::kBFloat16, reduced_as(dtype), "mirage_nccl_scale", [&] {
+    auto* d = reinterpret_cast<scalar_t*>(data);
+    if (divisor) {
+      const scalar_t by = static_cast<scalar_t>(divisor);
+      for (int64_t i = 0; i < n; ++i) d[i] = d[i] / by;
+      return;
+    }
+    const scalar_t factor = reduction.factor_data ? *static_cast<const scalar_t*>(reduction.factor_data)
+                                                  : static_cast<scalar_t>(reduction.factor);
+    for (int64_t i = 0; i < n; ++i) d[i] = d[i] * factor;
+  });
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+long futex(uint32_t* word, int op, uint32_t value, const timespec* timeout) {
+  return syscall(SYS_futex, word, op, value, timeout, nullptr, 0);
+}
+
+// Sleeps on `word` while it holds `seen`, at most until `deadline` (and 200 ms, so the caller can
+// check what it waits for). False once the deadline has passed.
+bool sleep_on(uint32_t* word, uint32_t seen, Clock::time_point deadline) {
+  auto left = deadline - Clock::now();
+  if (left <= Clock::duration::zero()) return false;
+  auto wait = std::min<Clock::duration>(left, std::chrono::milliseconds(200));
+  auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(wait).count();
+  timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+  futex(word, FUTEX_WAIT, seen, &ts);
+  return true;
+}
+
+int online_cpus() {
+  cpu_set_t set;
+  return sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+}
+
+std::string describe(const Call& c) {
+  std::ostringstream text;
+  text << kind_name(c.kind);
+  if (c.kind == Kind::kBarrier) return text.str();
+  text << " of ";
+  if (c.numel >= 0) text << c.numel << " x ";
+  text << c10::toString(static_cast<at::ScalarType>(c.dtype));
+  switch (c.kind) {
+    case Kind::kBroadcast: case Kind::kGather: case Kind::kScatter:
+      text << ", root " << c.op_or_root;
+      break;
+    case Kind::kReduce:
+      text << ", root " << (c.op_or_root >> 8) << ", op " << c10d::ReduceOp(static_cast<Op>(c.op_or_root & 0xff)).op_;
+      break;
+    case Kind::kAllReduce: case Kind::kReduceScatter: case Kind::kReduceScatterUneven:
+      text << ", op " << c10d::ReduceOp(static_cast<Op>(c.op_or_root)).op_;
+      break;
+    default:
+      break;
+  }
+  return text.str();
+}
+
+std::string session_prefix() {
+  const char* session = std::getenv("MIRAGE_SESSION");
+  if (!session || !*session) return "";
+  return "/mirage-" + std::to_string(getuid()) + "-" + session;
+}
+
+// Opens (creating if need be) a segment of `bytes`; both sides of a ring may be first. With
+// `reserve`, the pages are allocated now, so a full /dev/shm is a refusal rather than a SIGBUS.
+void* map_named(const std::string& name, size_t bytes, bool create, bool reserve) {
+  int fd = shm_open(name.c_str(), O_RDWR | (create ? O_CREAT : 0), 0600);
+  if (fd < 0) return nullptr;
+  bool ok = !create || (reserve ? posix_fallocate(fd, 0, static_cast<off_t>(bytes)) == 0
+                                : ftruncate(fd, static_cast<off_t>(bytes)) == 0);
+  void* base = ok ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+  close(fd);
+  return base == MAP_FAILED ? nullptr : base;
+}
+
+size_t calls_offset(int size) { return 128 + 8 * static_cast<size_t>(size); }
+size_t doorbells_offset(int size) { return calls_offset(size) + 2 * sizeof(Call) * static_cast<size_t>(size); }
+size_t data_offset(int size) { return (doorbells_offset(size) + 64 * static_cast<size_t>(size) + kPage - 1) / kPage * kPage; }
+size_t segment_bytes(int size) { return data_offset(size) + 2 * static_cast<size_t>(size) * kSlotBytes; }
+
+}  // namespace
+
+// One ordered pair's ring: [head (bytes written, by the producer) | tail (bytes read, by the
+// consumer) | mapped (how many sides mapped it)] then the data.
+struct Communicator::Ring {
+  Ring(void* base, size_t bytes) : base(static_cast<char*>(base)), capacity(bytes - kPage) {}
+  ~Ring() { munmap(base, capacity + kPage); }
+  std::atomic_ref<uint64_t> head() const { return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(base)); }
+  std::atomic_ref<uint64_t> tail() const { return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(base + 64)); }
+  uint32_t* mapped() const { return reinterpret_cast<uint32_t*>(base + 128); }
+  char* data() const { return base + kPage; }
+
+  // Copies up to `n` bytes in (producer) or out (consumer); returns how many moved.
+  size_t push(const char* from, size_t n) {
+    const uint64_t h = head().load(std::memory_order_relaxed), t = tail().load(std::memory_order_acquire);
+    n = std::min<size_t>(n, capacity - static_cast<size_t>(h - t));
+    copy_around(h, n, [&](size_t at, size_t off, size_t len) { std::memcpy(data() + at, from + off, len); });
+    head().store(h + n, std::memory_order_release);
+    return n;
+  }
+  size_t pop(char* to, size_t n) {
+    const uint64_t t = tail().load(std::memory_order_relaxed), h = head().load(std::memory_order_acquire);
+    n = std::min<size_t>(n, static_cast<size_t>(h - t));
+    copy_around(t, n, [&](size_t at, size_t off, size_t len) { std::memcpy(to + off, data() + at, len); });
+    tail().store(t + n, std::memory_order_release);
+    return n;
+  }
+  size_t readable() const {
+    return static_cast<size_t>(head().load(std::memory_order_acquire) - tail().load(std::memory_order_relaxed));
+  }
+
+  template <typename Fn>
+  void copy_around(uint64_t position, size_t n, Fn&& copy) const {
+    const size_t at = static_cast<size_t>(position % capacity), first = std::min(n, capacity - at);
+    if (first) copy(at, 0, first);
+    if (n > first) copy(0, first, n - first);
+  }
+
+  char* base;
+  size_t capacity;
+};
+
+Communicator::Communicator(void* base, size_t bytes, int rank, int size, std::string instance)
+    : base_(static_cast<char*>(base)), bytes_(bytes), rank_(rank), size_(size), spin_(size <= online_cpus()),
+      instance_(std::move(instance)), rings_(static_cast<size_t>(kChannels) * size * size) {}
+
+Communicator::~Communicator() {
+  rings_.clear();
+  munmap(base_, bytes_);
+}
+
+std::unique_ptr<Communicator> Communicator::connect(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                                    std::chrono::milliseconds timeout) {
+  const std::string prefix = session_prefix();
+  if (prefix.empty()) return nullptr;
+  std::string name;
+  if (rank == 0) {
+    std::random_device random;
+    name = prefix + ".collectives-" + std::to_string((uint64_t{random()} << 32) | random());
+    void* base = map_named(name, segment_bytes(size), true, true);
+    if (!base) {
+      shm_unlink(name.c_str());
+      name = "-";  // tells the others there is no segment
+    } else {
+      munmap(base, segment_bytes(size));
+    }
+    store->set("mirage/segment", std::vector<uint8_t>(name.begin(), name.end()));
+  } else {
+    std::vector<uint8_t> wire = store->get("mirage/segment");
+    name.assign(wire.begin(), wire.end());
+  }
+  if (name == "-") return nullptr;
+  void* base = map_named(name, segment_bytes(size), false, false);
+  if (store->add("mirage/mapped", 1) == size) shm_unlink(name.c_str());  // every rank has it now
+  TORCH_CHECK_WITH(DistBackendError, base, "emulated NCCL: could not map the communicator's shared memory ", name,
+                   " (is /dev/shm full? `df -h /dev/shm`)");
+  (void)timeout;
+  return std::unique_ptr<Communicator>(new Communicator(base, segment_bytes(size), rank, size,
+                                                        name.substr(name.rfind('-') + 1)));
+}
+
+uint32_t* Communicator::arrived() const { return reinterpret_cast<uint32_t*>(base_); }
+uint32_t* Communicator::generation() const { return reinterpret_cast<uint32_t*>(base_ + 64); }
+uint64_t* Communicator::entered(int r) const { return reinterpret_cast<uint64_t*>(base_ + 128) + r; }
+uint32_t* Communicator::doorbell(int r) const { return reinterpret_cast<uint32_t*>(base_ + doorbells_offset(size_) + 64 * r); }
+Call* Communicator::call(int buffer, int r) const {
+  return reinterpret_cast<Call*>(base_ + calls_offset(size_)) + static_cast<size_t>(buffer) * size_ + r;
+}
+char* Communicator::slot(int buffer, int r) const {
+  return base_ + data_offset(size_) + (static_cast<size_t>(buffer) * size_ + r) * kSlotBytes;
+}
+
+void Communicator::check_usable(const std::string& what) const {
+  TORCH_CHECK_WITH(DistBackendError, !unusable_, what, ": an earlier collective of this communicator failed (a "
+                   "timeout or a desync); the communicator is aborted and cannot be used again, as with NCCL. "
+                   "Destroy the process group and create a new one.");
+}
+
+// A central barrier with a generation word to sleep on. Ranks that fit the CPUs spin briefly
+// first; oversubscribed ranks (more ranks than cores, the usual case here) go straight to the
+// futex, since spinning would only take the core from the peer being waited for.
+void Communicator::barrier(const Timing& timing) {
+  std::atomic_ref<uint32_t> gen(*generation());
+  std::atomic_ref<uint32_t> count(*arrived());
+  const uint32_t seen = gen.load(std::memory_order_acquire);
+  std::atomic_ref<uint64_t>(*entered(rank_)).store(++barriers_, std::memory_order_relaxed);
+  if (count.fetch_add(1, std::memory_order_acq_rel) + 1 == static_cast<uint32_t>(size_)) {
+    count.store(0, std::memory_order_relaxed);
+    gen.store(seen + 1, std::memory_order_release);
+    futex(generation(), FUTEX_WAKE, INT_MAX, nullptr);
+    return;
+  }
+  for (int i = 0; spin_ && i < 20000; ++i) {
+    if (gen.load(std::memory_order_acquire) != seen) return;
+    cpu_relax();
+  }
+  while (gen.load(std::memory_order_acquire) == seen) {
+    if (!sleep_on(generation(), seen, timing.deadline)) {
+      std::vector<int> missing;
+      for (int r = 0; r < size_; ++r) {
+        if (std::atomic_ref<uint64_t>(*entered(r)).load(std::memory_order_relaxed) < barriers_) missing.push_back(r);
+      }
+      fail_timeout(timing, missing, "reached it");
+    }
+  }
+}
+
+// The barrier after a chunk's copy-in; on a call's first chunk, also the comparison of calls.
+void Communicator::exchange(int buffer, const Call& asked, bool first_chunk, const Timing& timing) {
+  if (first_chunk) *call(buffer, rank_) = current_ = asked;
+  barrier(timing);
+  if (first_chunk) check_calls_match(buffer, asked, timing.what);
+}
+
+// NCCL would silently mix a desync's data (or hang); gloo fails on the size. Here every rank
+// sees every peer's call at the first barrier, so all of them stop with the same report.
+void Communicator::check_calls_match(int buffer, const Call& asked, const std::string& what) {
+  bool all_match = true;
+  for (int r = 0; r < size_ && all_match; ++r) all_match = *call(buffer, r) == asked;
+  if (all_match) return;
+  std::ostringstream calls;
+  for (int r = 0; r < size_; ++r) calls << "\n  group rank " << r << ": " << describe(*call(buffer, r));
+  unusable_ = true;
+  TORCH_CHECK_WITH(DistBackendError, false, what, ": the ranks' calls do not match (a desync: "
+                   "NCCL would mix or hang here):", calls.str());
+}
+
+void Communicator::fail_timeout(const Timing& timing, const std::vector<int>& missing, const char* waiting_for) {
+  std::ostringstream ranks;
+  const char* sep = "";
+  for (int r : missing) {
+    ranks << sep << r;
+    sep = ", ";
+  }
+  unusable_ = true;
+  TORCH_CHECK_WITH(DistBackendError, false, timing.what, " ran for ", timing.timeout.count(),
+                   " milliseconds before timing out: group rank(s) ", ranks.str(), " never ", waiting_for,
+                   " (a rank that hung, died, or called a different collective). Raise `timeout=` in "
+                   "init_process_group/new_group if they are just slow.");
+}
+
+void Communicator::all_reduce(char* data, int64_t numel, at::ScalarType dtype, const Reduction& reduction,
+                              const Timing& timing) {
+  const Call asked{Kind::kAllReduce, static_cast<int32_t>(dtype), static_cast<int32_t>(reduction.op), 0, numel};
+  const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t chunk = static_cast<int64_t>(kSlotBytes) / item;
+  const bool premul = reduction.op == Op::PREMUL_SUM;
+  for (int64_t offset = 0; offset == 0 || offset < numel; offset += chunk) {
+    const int64_t n = std::min(chunk, numel - offset);
+    char* mine = data + offset * item;
+    const int buffer = next_buffer();
+    std::memcpy(slot(buffer, rank_), mine, static_cast<size_t>(n * item));
+    if (premul) scale(dtype, slot(buffer, rank_), n, reduction, 0);
+    exchange(buffer, asked, offset == 0, timing);
+    if (static_cast<size_t>(n * item) <= kSmallChunkBytes) {  // every rank reduces it all
+      std::memcpy(mine, slot(buffer, 0), static_cast<size_t>(n * item));
+      for (int r = 1; r < size_; ++r) accumulate(dtype, mine, slot(buffer, r), n, reduction.op);
+      if (reduction.op == Op::AVG) scale(dtype, mine, n, reduction, size_);
+      continue;
+    }
+    const int64_t lo = n * rank_ / size_, hi = n * (rank_ + 1) / size_;
+    for (int r = 1; r < size_ && hi > lo; ++r) {
+      accumulate(dtype, slot(buffer, 0) + lo * item, slot(buffer, r) + lo * item, hi - lo, reduction.op);
+    }
+    if (reduction.op == Op::AVG && hi > lo) scale(dtype, slot(buffer, 0) + lo * item, hi - lo, reduction, size_);
+    barrier(timing);
+    std::memcpy(mine, slot(buffer, 0), static_cast<size_t>(n * item));
+  }
+}
+
+void Communicator::reduce(char* data, int64_t numel, at::ScalarType dtype, const Reduction& reduction, int root,
+                          const Timing& timing) {
+  const Call asked{Kind::kReduce, static_cast<int32_t>(dtype), (root << 8) | static_cast<int32_t>(reduction.op), 0,
+                   numel};
+  const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t chunk = static_cast<int64_t>(kSlotBytes) / item;
+  for (int64_t offset = 0; offset == 0 || offset < numel; offset += chunk) {
+    const int64_t n = std::min(chunk, numel - offset);
+    char* mine = data + offset * item;
+    const int buffer = next_buffer();
+    std::memcpy(slot(buffer, rank_), mine, static_cast<size_t>(n * item));
+    if (reduction.op == Op::PREMUL_SUM) scale(dtype, slot(buffer, rank_), n, reduction, 0);
+    exchange(buffer, asked, offset == 0, timing);
+    if (rank_ != root) continue;
+    std::memcpy(mine, slot(buffer, 0), static_cast<size_t>(n * item));
+    for (int r = 1; r < size_; ++r) accumulate(dtype, mine, slot(buffer, r), n, reduction.op);
+    if (reduction.op == Op::AVG) scale(dtype, mine, n, reduction, size_);
+  }
+}
+
+void Communicator::all_gather(const std::vector<char*>& outs, const char* in, int64_t numel, at::ScalarType dtype,
+                              const Timing& timing) {
+  const Call asked{Kind::kAllGather, static_cast<int32_t>(dtype), 0, 0, numel};
+  const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t chunk = static_cast<int64_t>(kSlotBytes) / item;
+  for (int64_t offset = 0; offset == 0 || offset < numel; offset += chunk) {
+    const int64_t n = std::min(chunk, numel - offset);
+    const int buffer = next_buffer();
+    std::memcpy(slot(buffer, rank_), in + offset * item, static_cast<size_t>(n * item));
+    exchange(buffer, asked, offset == 0, timing);
+    for (int r = 0; r < size_; ++r) {
+      std::memcpy(outs[r] + offset * item, slot(buffer, r), static_cast<size_t>(n * item));
+    }
+  }
+}
+
+void Communicator::reduce_scatter(char* out, const char* in, int64_t numel, at::ScalarType dtype,
+                                  const Reduction& reduction, const Timing& timing) {
+  const Call asked{Kind::kReduceScatter, static_cast<int32_t>(dtype), static_cast<int32_t>(reduction.op), 0, numel};
+  const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t chunk = std::max<int64_t>(1, static_cast<int64_t>(kSlotBytes) / item / size_);
+  for (int64_t offset = 0; offset == 0 || offset < numel; offset += chunk) {
+    const int64_t n = std::min(chunk, numel - offset);
+    const int buffer = next_buffer();
+    // This rank's slot holds, for every destination rank, its part of the chunk.
+    for (int r = 0; r < size_; ++r) {
+      std::memcpy(slot(buffer, rank_) + r * n * item, in + (r * numel + offset) * item, static_cast<size_t>(n * item));
+    }
+    if (reduction.op == Op::PREMUL_SUM) scale(dtype, slot(buffer, rank_), n * size_, reduction, 0);
+    exchange(buffer, asked, offset == 0, timing);
+    char* mine = out + offset * item;
+    std::memcpy(mine, slot(buffer, 0) + rank_ * n * item, static_cast<size_t>(n * item));
+    for (int r = 1; r < size_; ++r) accumulate(dtype, mine, slot(buffer, r) + rank_ * n * item, n, reduction.op);
+    if (reduction.op == Op::AVG) scale(dtype, mine, n, reduction, size_);
+  }
+}
+
+void Communicator::broadcast(char* data, int64_t numel, at::ScalarType dtype, int root, const Timing& timing) {
+  const Call asked{Kind::kBroadcast, static_cast<int32_t>(dtype), root, 0, numel};
+  const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t chunk = static_cast<int64_t>(kSlotBytes) / item;
+  for (int64_t offset = 0; offset == 0 || offset < numel; offset += chunk) {
+    const int64_t n = std::min(chunk, numel - offset);
+    const int buffer = next_buffer();
+    if (rank_ == root) std::memcpy(slot(buffer, root), data + offset * item, static_cast<size_t>(n * item));
+    exchange(buffer, asked, offset == 0, timing);
+    if (rank_ != root) std::memcpy(data + offset * item, slot(buffer, root), static_cast<size_t>(n * item));
+  }
+}
+
+void Communicator::agree(const Call& asked, const Timing& timing) { exchange(next_buffer(), asked, true, timing); }
+
+void Communicator::ring_bell(int r) {
+  std::atomic_ref<uint32_t>(*doorbell(r)).fetch_add(1, std::memory_order_acq_rel);
+  futex(doorbell(r), FUTEX_WAKE, INT_MAX, nullptr);
+}
+
+Communicator::Ring& Communicator::ring(int src, int dst, int channel) {
+  auto& entry = rings_[(static_cast<size_t>(channel) * size_ + src) * size_ + dst];
+  if (entry) return *entry;
+  const size_t capacity = size_ <= 16 ? size_t{1} << 20 : size_t{256} << 10;
+  const std::string name = session_prefix() + ".collectives-" + instance_ + ".p2p-" + std::to_string(src) + "-" +
+                           std::to_string(dst) + "-" + std::to_string(channel);
+  void* base = map_named(name, capacity + kPage, true, false);
+  TORCH_CHECK_WITH(DistBackendError, base, "emulated NCCL: could not map the point-to-point ring ", name,
+                   " (is /dev/shm full? `df -h /dev/shm`)");
+  entry = std::make_unique<Ring>(base, capacity + kPage);
+  if (std::atomic_ref<uint32_t>(*entry->mapped()).fetch_add(1) + 1 == 2) shm_unlink(name.c_str());
+  return *entry;
+}
+
+void Communicator::transfer(std::vector<Transfer>& transfers, int channel, const std::string& what,
+                            const std::function<void(std::vector<Transfer>&)>& poll,
+                            const std::function<void(size_t)>& finished) {
+  // Each message is its length (8 bytes) then its bytes; per peer and direction only the oldest
+  // unfinished transfer moves, so messages keep their order, as NCCL matches them in order.
+  std::vector<char> busy;  // [direction][peer]: an older transfer is unfinished this round
+  size_t done = 0;
+  for (const Transfer& t : transfers) done += t.finished();
+  int idle_rounds = 0;
+  while (done < transfers.size()) {
+    const uint32_t seen = std::atomic_ref<uint32_t>(*doorbell(rank_)).load(std::memory_order_acquire);
+    bool moved = false;
+    busy.assign(static_cast<size_t>(2 * size_), 0);
+    for (size_t i = 0; i < transfers.size(); ++i) {
+      Transfer& t = transfers[i];
+      if (t.finished()) continue;
+      char& blocked = busy[static_cast<size_t>(t.send ? 0 : size_) + t.peer];
+      if (blocked) continue;
+      blocked = 1;
+      Ring& r = t.send ? ring(rank_, t.peer, channel) : ring(t.peer, rank_, channel);
+      size_t n = 0;
+      if (t.header_done < sizeof(t.header)) {
+        char* header = reinterpret_cast<char*>(&t.header);
+        if (t.send) {
+          t.header = t.bytes;
+          n = r.push(header + t.header_done, sizeof(t.header) - t.header_done);
+        } else if (r.readable() >= sizeof(t.header)) {
+          n = r.pop(header, sizeof(t.header));
+          if (t.header != t.bytes) {
+            unusable_ = true;
+            TORCH_CHECK_WITH(DistBackendError, false, what, ": a receive of ", t.bytes, " bytes from group rank ",
+                             t.peer, " matched a send of ", t.header,
+                             " bytes (a send and its recv must have the same size, as with NCCL)");
+          }
+        }
+        t.header_done += n;
+      }
+      if (t.header_done == sizeof(t.header) && t.done < t.bytes) {
+        size_t m = t.send ? r.push(t.data + t.done, t.bytes - t.done) : r.pop(t.data + t.done, t.bytes - t.done);
+        t.done += m;
+        n += m;
+      }
+      if (n) {
+        moved = true;
+        ring_bell(t.peer);
+      }
+      if (t.finished()) {
+        ++done;
+        blocked = 0;  // the next message to this peer may start in this round
+        if (finished) finished(i);
+      }
+    }
+    if (moved) {
+      idle_rounds = 0;
+      continue;
+    }
+    if (poll) {
+      const size_t before = transfers.size();
+      poll(transfers);
+      if (transfers.size() != before) continue;
+    }
+    if (done == transfers.size()) break;
+    if (spin_ && ++idle_rounds < 2000) {
+      cpu_relax();
+      continue;
+    }
+    Clock::time_point deadline = Clock::time_point::max();
+    for (const Transfer& t : transfers) {
+      if (!t.finished()) deadline = std::min(deadline, t.deadline);
+    }
+    // Wake at least every 200 ms to take new work (`poll`) even if no peer rings.
+    if (!sleep_on(doorbell(rank_), seen, deadline)) {
+      for (const Transfer& t : transfers) {
+        if (!t.finished() && t.deadline <= Clock::now()) {
+          Timing timing{t.deadline, t.timeout, what};
+          fail_timeout(timing, {t.peer}, t.send ? "received this send" : "sent to this receive");
+        }
+      }
+    }
+  }
+}
+
+}  // namespace mirage::nccl
