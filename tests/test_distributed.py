@@ -17,9 +17,10 @@ def test_every_collective_on_device_tensors_equals_gloo_on_cpu():
                     "python", "tests/workloads/collectives.py")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[0] collectives_ok" in result.stdout
-    for name in ("all_reduce AVG", "all_reduce PREMUL_SUM", "all_reduce BXOR torch.int64 x 100003",
+    for name in ("all_reduce AVG", "all_reduce PREMUL_SUM", "all_reduce PRODUCT torch.int64 x 100003",
+                 "all_reduce BXOR refused as by NCCL", "all_reduce bool SUM is OR",
                  "all_reduce bitwise equal on every rank", "no shared-memory segment left in /dev/shm",
-                 "all_reduce transposed", "NCCL's default timeout", "all_to_all_single_uneven",
+                 "all_reduce transposed refused as by NCCL", "NCCL's default timeout", "all_to_all_single_uneven",
                  "big_broadcast", "all_gather_into_tensor_in_place", "big_reduce_scatter_tensor_max",
                  "new_group broadcast",
                  "isend_irecv_batch", "new_subgroups all_reduce", "reduce_scatter_tensor", "barrier"):
@@ -149,42 +150,45 @@ def test_one_gpu_per_rank_through_cuda_visible_devices(tmp_path):
 
 @pytest.mark.parametrize("calls, expected", [
     ("t = torch.ones(1000 * (rank + 1), device='cuda')\npg.allreduce([t]).wait()",
-     ["group rank 0: all_reduce of 1000 x Float, op SUM", "group rank 1: all_reduce of 2000 x Float, op SUM"]),
+     ["(different numel)", "rank 0: all_reduce(dtype=float32, shapes=[[1000]], op=SUM)",
+      "rank 1: all_reduce(dtype=float32, shapes=[[2000]], op=SUM)"]),
     ("t = torch.ones(1000, device='cuda')\n"
      "if rank == 0: pg.broadcast(t, 0).wait()\n"
      "else: pg._allgather_base(torch.empty(2000, device='cuda'), t).wait()",
-     ["group rank 0: broadcast of 1000 x Float, root 0", "group rank 1: all_gather of 1000 x Float"]),
+     ["(different op)", "rank 0: broadcast(dtype=float32, shapes=[[1000]])",
+      "rank 1: all_gather_into_tensor(dtype=float32, shapes=[[1000]])"]),
 ])
-def test_collectives_that_do_not_match_fail_on_every_rank_naming_each_call(tmp_path, calls, expected):
-    """Through the process group's C++ API, as DDP's reducer calls it (the flight recorder sees
-    only Python-level collectives): the shared-memory path compares the ranks' calls."""
+def test_collectives_that_do_not_match_end_the_session_naming_each_call(tmp_path, calls, expected):
+    """Through the process group's C++ API, as DDP's reducer calls it: the emulated NCCL backend
+    is where every collective passes, so the flight recorder sees these too."""
     script = tmp_path / "mismatch.py"
     script.write_text(
         "import os, torch, torch.distributed as dist\n"
         "rank = int(os.environ['RANK']); torch.cuda.set_device(rank)\n"
         f"dist.init_process_group('nccl')\npg = dist.group.WORLD\n{calls}\nprint('unreachable')\n")
     result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", str(script), timeout=120)
-    assert result.returncode == 1
+    assert result.returncode == 123, result.stderr[-3000:]
     assert "unreachable" not in result.stdout
-    assert "the ranks' calls do not match (a desync" in result.stderr
-    for rank in (0, 1):
-        for text in expected:
-            assert f"[{rank}] [rank{rank}]:   {text}" in result.stderr
+    assert "mirage: collective desync in group '0' at sequence number 1" in result.stderr
+    for text in expected:
+        assert text in result.stderr
 
 
-@pytest.mark.parametrize("collective, env, expected", [
-    # all_reduce (like broadcast, all_gather_into_tensor, reduce_scatter_tensor) goes over shared
-    # memory, which names the ranks that never came
-    ("dist.all_reduce(t)", [], ["c10d::allreduce_ on a group of 2 ranks (this rank 0, group 'default_pg') "
-                                "timed out after 3000 ms: group rank(s) 1 never reached it"]),
-    # ... unless NCCL_SHM_DISABLE=1 sends it over the network (gloo), as it would NCCL's
-    ("dist.all_reduce(t)", ["--env", "NCCL_SHM_DISABLE=1"],
-     ["c10d::allreduce_ on a group of 2 ranks (this rank 0, group 'default_pg') failed:", "Timed out waiting 3000ms"]),
-    # collectives without a shared-memory path go over gloo, whose timeout is named with them
-    ("dist.all_to_all_single(torch.empty_like(t), t)", [],
-     ["c10d::alltoall_base_ on a group of 2 ranks (this rank 0, group 'default_pg') failed:", "Timed out waiting 3000ms"]),
+@pytest.mark.parametrize("collective, env, code, expected", [
+    # By default NCCL's watchdog takes the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING=3)...
+    ("dist.all_reduce(t)", [], 134,
+     ["[rank0]:[E", "Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=2, OpType=ALLREDUCE, "
+      "NumelIn=2, NumelOut=2, Timeout(ms)=3000) ran for 3",
+      "group rank(s) 1 never reached it", "Rank 0] To avoid data inconsistency, we are taking the entire process down."]),
+    # ... with TORCH_NCCL_BLOCKING_WAIT=1 the error is raised where the caller waits.
+    ("dist.all_to_all_single(torch.empty_like(t), t)", ["--env", "TORCH_NCCL_BLOCKING_WAIT=1"], 1,
+     ["torch.distributed.DistBackendError: [PG ID 0 PG GUID 0(default_pg) Rank 0] WorkNCCL(SeqNum=2, "
+      "OpType=ALLTOALL_BASE, NumelIn=2, NumelOut=2, Timeout(ms)=3000) ran for 3", "(timed out in blocking wait)"]),
+    # point-to-point: a receive nobody sends to
+    ("dist.recv(t, 1) if rank == 0 else dist.send(t, 0)", ["--env", "TORCH_NCCL_BLOCKING_WAIT=1"], 1,
+     ["OpType=RECV", "group rank(s) 1 never sent to this receive"]),
 ])
-def test_a_collective_no_peer_matches_fails_within_the_timeout_naming_it(tmp_path, collective, env, expected):
+def test_an_operation_no_peer_matches_fails_at_the_timeout_as_with_nccl(tmp_path, collective, env, code, expected):
     script = tmp_path / "hang.py"
     script.write_text(
         "import datetime, os, time, torch, torch.distributed as dist\n"
@@ -194,7 +198,7 @@ def test_a_collective_no_peer_matches_fails_within_the_timeout_naming_it(tmp_pat
         f"if rank == 0: {collective}\nelse: time.sleep(600)\n")
     result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", *env, "--", "python", str(script),
                     timeout=120)
-    assert result.returncode == 1
+    assert result.returncode == code, result.stderr[-3000:]
     for text in expected:
         assert text in result.stderr
 

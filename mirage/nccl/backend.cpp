@@ -73,8 +73,9 @@ bool nccl_has(at::ScalarType t) {
 // ProcessGroupNCCL's checkSingleTensor.
 void check_tensor(const at::Tensor& t) {
   TORCH_CHECK_VALUE(t.is_cuda() && !t.is_sparse(), "Tensors must be CUDA and dense");
-  TORCH_CHECK(t.is_contiguous(t.suggest_memory_format()), "Tensors must be contiguous");
-  TORCH_CHECK(nccl_has(t.scalar_type()), "Unsupported data type for NCCL process group: ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.is_contiguous(t.suggest_memory_format()), "Tensors must be contiguous");
+  TORCH_CHECK_TYPE(nccl_has(t.scalar_type()), "Input tensor data type is not supported for NCCL process group: ",
+                   t.scalar_type());
 }
 
 // Complex tensors travel as their real views (NCCL has no complex type).
@@ -87,7 +88,7 @@ Reduction reduction_of(const c10d::ReduceOp& op, const at::Tensor& t) {
   Reduction r;
   r.op = op.op_;
   if (t.is_complex()) {
-    TORCH_CHECK_VALUE(c10d::isComplexViewAsRealAllowed(op), "all_reduce does not support ", op.op_,
+    TORCH_CHECK_VALUE(c10d::isComplexViewAsRealAllowed(op), "all_reduce does not support ", reduce_op_name(op.op_),
                       " on complex tensors");
   }
   if (t.scalar_type() == at::kBool) {
@@ -716,11 +717,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
     TORCH_CHECK_VALUE(root >= 0 && root < size_, "Invalid rootRank ", root, " for a group of ", size_);
   }
 
-  static std::string op_name(const c10d::ReduceOp& op) {
-    std::ostringstream name;
-    name << op.op_;
-    return name.str();
-  }
+  static std::string op_name(const c10d::ReduceOp& op) { return reduce_op_name(op.op_); }
 
   std::string group_name() const { return options_->group_name.empty() ? "0" : options_->group_name; }
 
@@ -749,7 +746,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
   }
 
   std::string log_prefix() const {
-    return "[PG ID " + std::to_string(uid_) + " PG GUID " + group_name() + "(" + options_->group_desc + ") Rank " +
+    return "[PG ID " + std::to_string(uid_) + " PG GUID " + group_name() + "(" + getGroupDesc() + ") Rank " +
            std::to_string(rank_) + "] ";
   }
 
@@ -843,12 +840,15 @@ class ProcessGroupNCCL final : public c10d::Backend {
   // What the watchdog does with a failed operation: NCCL's timeout message; then, unless the
   // user asked for errors in the caller (TORCH_NCCL_BLOCKING_WAIT=1, or async error handling
   // off), the process is taken down as ProcessGroupNCCL's watchdog takes it down.
-  std::exception_ptr on_failure(const Record& r, const std::exception& e, bool timed_out) {
+  std::exception_ptr on_failure(const Record& r, const c10::Error& e, bool timed_out) {
     failed_ = true;
-    std::string message = timed_out ? log_prefix() + "Watchdog caught collective operation timeout: " +
-                                          describe_work(r) + " " + e.what()
-                                    : log_prefix() + describe_work(r) + " failed: " + e.what();
-    if (timed_out && !blocking_wait_ && async_error_handling_ != 0) {
+    // The transport's message names the work (describe_work) and what went wrong.
+    const bool take_down = timed_out && !blocking_wait_ && async_error_handling_ != 0;
+    std::string message = !timed_out ? log_prefix() + describe_work(r) + " failed: " + e.what_without_backtrace()
+                          : take_down ? log_prefix() + "Watchdog caught collective operation timeout: " +
+                                            e.what_without_backtrace()
+                                      : log_prefix() + e.what_without_backtrace() + " (timed out in blocking wait)";
+    if (take_down) {
       std::ostringstream log;
       const std::time_t now = std::time(nullptr);
       char stamp[32];
@@ -861,6 +861,10 @@ class ProcessGroupNCCL final : public c10d::Backend {
       std::abort();
     }
     return std::make_exception_ptr(c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, __LINE__}, message));
+  }
+
+  static bool timed_out(const c10::Error& e) {
+    return std::string(e.what_without_backtrace()).find("before timing out") != std::string::npos;
   }
 
   // Runs one collective: checks, sequence number, recorder, profiler event, the transfer, the Work.
@@ -883,8 +887,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
       comm_->check_usable(timing_.what);
       run();
     } catch (const c10::DistBackendError& e) {
-      const bool timed_out = std::string(e.what()).find("before timing out") != std::string::npos;
-      error = on_failure(r, e, timed_out);
+      error = on_failure(r, e, timed_out(e));
     }
     r.completed_ns = wall_ns();
     r.state = "completed";
@@ -965,11 +968,20 @@ class ProcessGroupNCCL final : public c10d::Backend {
     }
   }
 
+  // NCCL_DEBUG=INFO's line for a new communicator, as NCCL prints it, with what mirage adds.
   void log_init() const {
-    std::cerr << "mirage-node" << (std::getenv("MIRAGE_NODE_RANK") ? std::getenv("MIRAGE_NODE_RANK") : "0") << ":"
-              << getpid() << " " << library() << " INFO comm " << instance() << " rank " << rank_ << " nRanks "
-              << size_ << " - Init COMPLETE (mirage emulated " << library() << ", group " << group_name()
-              << ", transport shared memory)" << std::endl;
+    char host[256] = "?";
+    gethostname(host, sizeof(host) - 1);
+    const int device = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index();
+    std::string profile = std::getenv("MIRAGE_PROFILE") ? std::getenv("MIRAGE_PROFILE") : "?";
+    profile = profile.substr(profile.rfind('/') + 1);
+    profile = profile.substr(0, profile.rfind('.'));
+    const char* node = std::getenv("MIRAGE_NODE_RANK");
+    const char* local = std::getenv("LOCAL_RANK");
+    std::cerr << host << ":" << getpid() << " [" << device << "] " << library() << " INFO comm 0x" << instance()
+              << " rank " << rank_ << " nRanks " << size_ << " node " << (node ? node : "0") << " localRank "
+              << (local ? local : "0") << " cudaDev " << device << " profile " << profile << " group "
+              << group_name() << " - Init COMPLETE (mirage emulated, transport shared memory)" << std::endl;
   }
 
   // ------------------------------------------------------------ the point-to-point worker
@@ -1042,7 +1054,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
       } catch (const c10::DistBackendError& e) {
         for (size_t i = 0; i < active.size(); ++i) {
           if (transfers[i].finished()) continue;
-          active[i].work->complete(on_failure(active[i].record, e, std::string(e.what()).find("before timing out") != std::string::npos));
+          active[i].work->complete(on_failure(active[i].record, e, timed_out(e)));
         }
       }
     }

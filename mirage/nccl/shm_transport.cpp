@@ -54,6 +54,12 @@ const char* kind_name(Kind kind) {
   return i < sizeof(kNames) / sizeof(kNames[0]) ? kNames[i] : "?";
 }
 
+const char* reduce_op_name(c10d::ReduceOp::RedOpType op) {
+  static const char* const kNames[] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"};
+  auto i = static_cast<size_t>(op);
+  return i < sizeof(kNames) / sizeof(kNames[0]) ? kNames[i] : "UNUSED";
+}
+
 namespace {
 
 // Per rank and buffer. Small enough that a chunk's slots (N x this) stay in cache from the
@@ -163,10 +169,10 @@ std::string describe(const Call& c) {
       text << ", root " << c.op_or_root;
       break;
     case Kind::kReduce:
-      text << ", root " << (c.op_or_root >> 8) << ", op " << c10d::ReduceOp(static_cast<Op>(c.op_or_root & 0xff)).op_;
+      text << ", root " << (c.op_or_root >> 8) << ", op " << reduce_op_name(static_cast<Op>(c.op_or_root & 0xff));
       break;
     case Kind::kAllReduce: case Kind::kReduceScatter: case Kind::kReduceScatterUneven:
-      text << ", op " << c10d::ReduceOp(static_cast<Op>(c.op_or_root)).op_;
+      text << ", op " << reduce_op_name(static_cast<Op>(c.op_or_root));
       break;
     default:
       break;
@@ -352,7 +358,8 @@ void Communicator::fail_timeout(const Timing& timing, const std::vector<int>& mi
     sep = ", ";
   }
   unusable_ = true;
-  TORCH_CHECK_WITH(DistBackendError, false, timing.what, " ran for ", timing.timeout.count(),
+  const auto ran = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - (timing.deadline - timing.timeout));
+  TORCH_CHECK_WITH(DistBackendError, false, timing.what, " ran for ", ran.count(),
                    " milliseconds before timing out: group rank(s) ", ranks.str(), " never ", waiting_for,
                    " (a rank that hung, died, or called a different collective). Raise `timeout=` in "
                    "init_process_group/new_group if they are just slow.");

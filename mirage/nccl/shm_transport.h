@@ -32,6 +32,7 @@ enum class Kind : int32_t {
   kAllGatherUneven, kReduceScatterUneven,
 };
 const char* kind_name(Kind kind);
+const char* reduce_op_name(c10d::ReduceOp::RedOpType op);  // "SUM", "AVG", ...
 
 // What a rank asked for: compared with every peer's call at the call's first barrier.
 struct Call {

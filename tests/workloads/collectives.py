@@ -64,18 +64,33 @@ same("all_reduce async int64", t, s)
 
 # all_reduce over shared memory: several chunks, a length no rank count divides, every dtype
 # family and reduce op; the results must be the very same bits on every rank. (bfloat16 data is
-# whole numbers: its sums are then exact, whatever order gloo's ring adds in; otherwise both
+# and float16 data are whole numbers: their sums are then exact, whatever order gloo's ring adds in; otherwise both
 # transports are equally far from the exact sum but not from each other.)
 for dtype, ops in ((torch.float32, ("SUM", "PRODUCT", "MIN", "MAX")), (torch.bfloat16, ("SUM", "MAX")),
-                   (torch.float64, ("SUM",)), (torch.int32, ("SUM", "MIN")),
-                   (torch.int64, ("BAND", "BOR", "BXOR"))):
+                   (torch.float64, ("SUM",)), (torch.int32, ("SUM", "MIN")), (torch.int64, ("MAX", "PRODUCT")),
+                   (torch.uint8, ("SUM", "MIN")), (torch.int8, ("SUM",)), (torch.float16, ("SUM",))):
     for op_name in ops:
         def big_all_reduce(make, group, dtype=dtype, op=getattr(dist.ReduceOp, op_name)):
             values = data((100_003,), dtype=dtype, seed=7)
-            t = make(values.round() if dtype == torch.bfloat16 else values)
+            t = make(values.round() if dtype in (torch.bfloat16, torch.float16) else values)
             dist.all_reduce(t, op=op, group=group)
             return t
         both(f"all_reduce {op_name} {dtype} x 100003", big_all_reduce)
+# NCCL has no bitwise reductions: ProcessGroupNCCL refuses them, and so does the emulation.
+for op_name in ("BAND", "BOR", "BXOR"):
+    try:
+        dist.all_reduce(data(dtype=torch.int64).to(dev), op=getattr(dist.ReduceOp, op_name))
+        raise AssertionError(f"{op_name} accepted")
+    except ValueError as e:
+        assert str(e) == f"Cannot use ReduceOp.{op_name} with NCCL", e
+    checked.append(f"all_reduce {op_name} refused as by NCCL")
+# bool: NCCL's uint8 with SUM as MAX (a logical or) and PRODUCT as MIN (a logical and).
+flags = torch.tensor([rank == 0, False, True], device=dev)
+dist.all_reduce(flags)
+same("all_reduce bool SUM is OR", flags, torch.tensor([True, False, True]))
+flags = torch.tensor([rank == 0, False, True], device=dev)
+dist.all_reduce(flags, op=dist.ReduceOp.PRODUCT)
+same("all_reduce bool PRODUCT is AND", flags, torch.tensor([world == 1, False, True]))
 t = data((100_003,), seed=8).to(dev)
 dist.all_reduce(t)
 replicas = [torch.empty_like(t) for _ in range(world)]
@@ -127,13 +142,12 @@ for fn in (big_broadcast, big_all_gather_into_tensor, all_gather_into_tensor_in_
     both(fn.__name__, fn)
 
 
-def all_reduce_strided(make, group):
-    t = make(data((40, 30))).t()  # not dense in row order: takes the gloo path
-    dist.all_reduce(t, group=group)
-    return t
-
-
-both("all_reduce transposed", all_reduce_strided)
+try:  # ProcessGroupNCCL's checkSingleTensor
+    dist.all_reduce(data((40, 30)).to(dev).t())
+    raise AssertionError("a non-contiguous tensor was accepted")
+except ValueError as e:
+    assert str(e) == "Tensors must be contiguous", e
+checked.append("all_reduce transposed refused as by NCCL")
 
 
 def broadcast(make, group):
@@ -143,9 +157,17 @@ def broadcast(make, group):
 
 
 def reduce(make, group):
+    """Compared on the root only: gloo uses the other ranks' tensors as scratch space; NCCL,
+    in place, leaves them as they were (checked below)."""
     t = make(data())
     dist.reduce(t, dst=1, group=group)
-    return t
+    return t if rank == 1 else make(torch.zeros(6))
+
+
+t = data().to(dev)
+dist.reduce(t, dst=1)
+if rank != 1:
+    same("reduce leaves the other ranks' tensors", t, data())
 
 
 def all_gather(make, group):
