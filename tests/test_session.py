@@ -117,17 +117,18 @@ def test_desync_is_reported_at_once_naming_both_calls():
     result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", "tests/workloads/desync.py",
                     timeout=120)
     assert result.returncode == 123
-    assert "collective desync in group '0' at sequence number 1 (different numel)" in result.stderr
-    assert "shapes=[[8]]) at" in result.stderr and "shapes=[[4]]) at" in result.stderr
+    assert "collective desync in group '0' at sequence number 2 (different numel)" in result.stderr
+    assert "shapes=[[8]], op=SUM) at" in result.stderr and "shapes=[[4]], op=SUM) at" in result.stderr
     assert "tests/workloads/desync.py:11" in result.stderr
 
 
 @pytest.mark.parametrize("workload, expected", [
-    ("hang.py", ["hang: ranks [0] have waited more than 2 s in #1 all_reduce",
+    ("hang.py", ["hang: ranks [0] have waited more than 2 s in #2 all_reduce",
                  "rank 1 never arrived; its last collective: all_reduce", 'hang.py", line 15 in <module>']),
     # inside DDP, where the all-reduce is issued from C++ (seen by the recorder once it waits)
     ("ddp_hang.py", ["hang: ranks [0] have waited more than 2 s in",
-                     "all_reduce(dtype=Float, shapes=[[72]]) at C++ (DDP's reducer", "rank 1 never arrived",
+                     "all_reduce(dtype=float32, shapes=[[72]], op=SUM) from C++ (no Python caller: DDP's reducer",
+                     "rank 1 never arrived",
                      'ddp_hang.py", line 16 in <module>']),
 ])
 def test_hang_reports_who_waits_and_who_never_arrived_and_where_it_is(workload, expected):

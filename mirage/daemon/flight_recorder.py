@@ -31,7 +31,9 @@ HANG_EXIT_CODE = 124
 def describe(entry: dict) -> str:
     return (f"{entry['name']}(dtype={entry.get('dtype')}, shapes={entry.get('shapes')}"
             + (f", op={entry['reduce_op']}" if entry.get("reduce_op") else "")
-            + (f", peer={entry['peer']}" if entry.get("peer") is not None else "") + ")")
+            + (f", peer={entry['peer']}" if entry.get("peer") is not None else "") + ")"
+            + (f" at {entry['callsite']}" if entry.get("callsite")
+               else " from C++ (no Python caller: DDP's reducer or another C++ caller)"))
 
 
 def _key(entry: dict) -> tuple[str, bool, int]:
@@ -103,7 +105,8 @@ class FlightRecorder:
         if entry is None:
             return None
         state = "waiting in" if self.inside.get(rank) is entry else "done"
-        return f"{state} #{entry['seq']} {entry['name']} (group '{entry['group']}')"
+        return (f"{state} #{entry['seq']} {entry['name']} (group '{entry['group']}')"
+                + (f" at {entry['callsite']}" if entry.get("callsite") else ""))
 
     def _watch(self) -> None:
         while not self.failed:

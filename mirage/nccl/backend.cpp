@@ -139,6 +139,35 @@ std::string json_string(const std::string& s) {
 
 // ---------------------------------------------------------------- the session's flight recorder
 
+// Where user code issued the operation: the innermost Python frame outside torch and mirage, as
+// "file:line in function"; empty for a thread that never ran Python (DDP's reducer issues its
+// all-reduces from autograd's threads). The GIL is taken only by threads Python knows, which
+// released it to call in here.
+std::string python_call_site() {
+  if (!Py_IsInitialized() || PyGILState_GetThisThreadState() == nullptr) return "";
+  PyGILState_STATE state = PyGILState_Ensure();
+  std::string site;
+  PyFrameObject* frame = PyEval_GetFrame();
+  Py_XINCREF(frame);
+  while (frame && site.empty()) {
+    PyCodeObject* code = PyFrame_GetCode(frame);
+    const char* file = PyUnicode_AsUTF8(code->co_filename);
+    const std::string name = file ? file : "?";
+    if (name.find("/torch/") == std::string::npos && name.find("/mirage/") == std::string::npos) {
+      const char* function = PyUnicode_AsUTF8(code->co_name);
+      site = name + ":" + std::to_string(PyFrame_GetLineNumber(frame)) + " in " + (function ? function : "?");
+    }
+    Py_DECREF(code);
+    PyFrameObject* back = PyFrame_GetBack(frame);
+    Py_DECREF(frame);
+    frame = back;
+  }
+  Py_XDECREF(frame);
+  PyErr_Clear();
+  PyGILState_Release(state);
+  return site;
+}
+
 // Where flight-recorder lines go: the process's connection to its session (set from Python once
 // attached; -1 outside a session). One line per write, under one lock, so lines never interleave.
 std::mutex g_session_mu;
@@ -170,6 +199,7 @@ struct Record {
   int64_t numel_in = 0, numel_out = 0, bytes = 0;
   std::string reduce_op;
   int peer = -1;               // p2p: the other group rank
+  std::string call_site;       // python_call_site()
   std::chrono::milliseconds timeout{0};
   int64_t created_ns = 0, started_ns = 0, completed_ns = 0;
   std::string state = "scheduled";
@@ -773,6 +803,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
     const auto& any = !ins.empty() ? ins : outs;
     if (!any.empty()) r.dtype = dtype_name(any[0].scalar_type());
     r.created_ns = wall_ns();
+    r.call_site = python_call_site();
     return r;
   }
 
@@ -805,6 +836,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
       line << "], \"numel\": " << r.numel_in << ", \"bytes\": " << r.bytes << ", \"reduce_op\": "
            << (r.reduce_op.empty() ? "null" : json_string(r.reduce_op));
       if (r.p2p) line << ", \"peer\": " << group_ranks()[r.peer];
+      if (!r.call_site.empty()) line << ", \"callsite\": " << json_string(r.call_site);
       line << "}\n";
       tell_session(line.str());
     } else {
