@@ -216,3 +216,18 @@ def test_a_process_that_dies_returns_its_memory(tmp_path):
                     "--quiet", "--", "python", "-c", script, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "[0] reclaimed" in result.stdout
+
+
+def test_sequential_tests_that_each_create_group_0_are_not_a_desync_but_a_real_one_is():
+    """The flight recorder keys operations by communicator instance: ten spawned "tests" in a
+    row, each with its own default group '0', compare only with themselves."""
+    result = mirage("run", "--gpus-per-node", "2", "--", "python", "tests/workloads/sequential_groups.py", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[0] sequential_ok" in result.stdout or "sequential_ok" in result.stdout
+    assert "desync" not in result.stderr
+    result = mirage("run", "--gpus-per-node", "2", "--env", "DESYNC_IN=5", "--", "python",
+                    "tests/workloads/sequential_groups.py", timeout=300)
+    assert result.returncode == 123, result.stderr[-3000:]
+    assert "test 4 ok" in result.stdout and "test 5 ok" not in result.stdout
+    assert "collective desync in group '0' at sequence number 1 (different numel)" in result.stderr
+    assert "shapes=[[15]], op=SUM) at" in result.stderr and "shapes=[[16]], op=SUM) at" in result.stderr
