@@ -12,8 +12,9 @@ from conftest import REPO, mirage
 NCCL_ENV = ["--env", "NCCL_P2P_DISABLE=1", "--env", "NCCL_SHM_DISABLE=1", "--env", "NCCL_SOCKET_IFNAME=lo"]
 
 
-def test_every_collective_on_device_tensors_equals_gloo_on_cpu():
-    result = mirage("run", "--nproc-per-node", "4", "--gpus-per-node", "4", "--",
+@pytest.mark.parametrize("transport", [[], NCCL_ENV], ids=["shared-memory", "sockets"])
+def test_every_collective_on_device_tensors_equals_gloo_on_cpu(transport):
+    result = mirage("run", "--nproc-per-node", "4", "--gpus-per-node", "4", *transport, "--",
                     "python", "tests/workloads/collectives.py")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[0] collectives_ok" in result.stdout

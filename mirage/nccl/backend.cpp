@@ -17,7 +17,7 @@
 // pending send and receive at once, as NCCL's stream would, so isend/irecv in any order and
 // batch_isend_irecv never deadlock.
 
-#include "shm_transport.h"
+#include "transport.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -377,10 +377,15 @@ class ProcessGroupNCCL final : public c10d::Backend {
     blocking_wait_ = env_flag("TORCH_NCCL_BLOCKING_WAIT", false);
     async_error_handling_ = env_int("TORCH_NCCL_ASYNC_ERROR_HANDLING", 3);
     dump_on_timeout_ = env_flag("TORCH_NCCL_DUMP_ON_TIMEOUT", false);
-    comm_ = Communicator::connect(store_, rank, size, options_->timeout);
+    // NCCL leaves a node's shared memory and P2P paths for the network only when both are
+    // turned off; so does the emulation.
+    comm_ = env_flag("NCCL_SHM_DISABLE", false) && env_flag("NCCL_P2P_DISABLE", false)
+                ? connect_sockets(store_, rank, size, options_->timeout)
+                : connect_shared_memory(store_, rank, size);
     TORCH_CHECK_WITH(DistBackendError, comm_, library(), " error: the emulated ", library(),
                      " runs inside a mirage session only (mirage run -- ...): no MIRAGE_SESSION, or /dev/shm "
-                     "has no room for the communicator");
+                     "has no room for the communicator (`df -h /dev/shm`; NCCL_SHM_DISABLE=1 NCCL_P2P_DISABLE=1 "
+                     "use sockets instead)");
     if (std::getenv("NCCL_DEBUG") && (std::string(std::getenv("NCCL_DEBUG")) == "INFO" ||
                                       std::string(std::getenv("NCCL_DEBUG")) == "TRACE")) {
       log_init();
@@ -1013,7 +1018,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
     std::cerr << host << ":" << getpid() << " [" << device << "] " << library() << " INFO comm 0x" << instance()
               << " rank " << rank_ << " nRanks " << size_ << " node " << (node ? node : "0") << " localRank "
               << (local ? local : "0") << " cudaDev " << device << " profile " << profile << " group "
-              << group_name() << " - Init COMPLETE (mirage emulated, transport shared memory)" << std::endl;
+              << group_name() << " - Init COMPLETE (mirage emulated, transport " << comm_->transport() << ")" << std::endl;
   }
 
   // ------------------------------------------------------------ the point-to-point worker
@@ -1026,8 +1031,9 @@ class ProcessGroupNCCL final : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> point_to_point(std::vector<at::Tensor>& tensors, int peer, bool sending) {
     const at::Tensor& t = single(tensors);
-    TORCH_CHECK_VALUE(peer >= 0 && peer < size_ && peer != rank_, "Invalid ", sending ? "destination" : "source",
-                      " rank ", peer, " for a group of ", size_, " (this rank ", rank_, ")");
+    // (A rank may send to itself, as NCCL allows within a batch: its own ring carries it.)
+    TORCH_CHECK_VALUE(peer >= 0 && peer < size_, "Invalid ", sending ? "destination" : "source", " rank ", peer,
+                      " for a group of ", size_, " (this rank ", rank_, ")");
     const auto timeout = timeout_for(c10d::kUnsetTimeout);
     std::string profiling = std::string(sending ? "nccl:send " : "nccl:recv ") + std::to_string(rank_) +
                             (sending ? "->" : "<-") + std::to_string(peer);

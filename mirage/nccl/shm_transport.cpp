@@ -21,7 +21,7 @@
 // Names: /mirage-<uid>-<session>.collectives-<id>[.p2p-...], so the run's teardown and `mirage
 // cleanup` find segments a rank left behind by dying before every peer mapped them.
 
-#include "shm_transport.h"
+#include "transport.h"
 
 #include <ATen/Dispatch.h>
 #include <c10/util/Exception.h>
@@ -46,20 +46,6 @@
 
 namespace mirage::nccl {
 
-const char* kind_name(Kind kind) {
-  static const char* const kNames[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
-                                       "gather", "scatter", "all_to_all", "barrier", "all_gather (uneven)",
-                                       "reduce_scatter (uneven)"};
-  auto i = static_cast<size_t>(kind);
-  return i < sizeof(kNames) / sizeof(kNames[0]) ? kNames[i] : "?";
-}
-
-const char* reduce_op_name(c10d::ReduceOp::RedOpType op) {
-  static const char* const kNames[] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"};
-  auto i = static_cast<size_t>(op);
-  return i < sizeof(kNames) / sizeof(kNames[0]) ? kNames[i] : "UNUSED";
-}
-
 namespace {
 
 // Per rank and buffer. Small enough that a chunk's slots (N x this) stay in cache from the
@@ -71,62 +57,6 @@ constexpr size_t kPage = 4096;
 constexpr int kChannels = 2;
 
 using Op = c10d::ReduceOp::RedOpType;
-
-// acc = acc (op) x, elementwise. Plain loops (vectorised by the compiler), not ATen kernels:
-// those would wake intra-op threads, and with more ranks than cores the peers need every core.
-template <typename T>
-void accumulate(T* __restrict acc, const T* __restrict x, int64_t n, Op op) {
-  switch (op) {
-    case Op::SUM:
-    case Op::AVG:
-    case Op::PREMUL_SUM:
-      for (int64_t i = 0; i < n; ++i) acc[i] = acc[i] + x[i];
-      return;
-    case Op::PRODUCT:
-      for (int64_t i = 0; i < n; ++i) acc[i] = acc[i] * x[i];
-      return;
-    default:
-      break;
-  }
-  if constexpr (!c10::is_complex<T>::value) {
-    // NaN wins, as in torch.minimum / torch.maximum (a != a only for NaN).
-    switch (op) {
-      case Op::MIN:
-        for (int64_t i = 0; i < n; ++i) acc[i] = (acc[i] != acc[i] || acc[i] < x[i]) ? acc[i] : x[i];
-        return;
-      case Op::MAX:
-        for (int64_t i = 0; i < n; ++i) acc[i] = (acc[i] != acc[i] || acc[i] > x[i]) ? acc[i] : x[i];
-        return;
-      default:
-        break;
-    }
-  }
-  TORCH_CHECK_VALUE(false, "the emulated NCCL cannot apply this reduce op to ", c10::CppTypeToScalarType<T>::value);
-}
-
-// NCCL reduces bool as uint8 (ProcessGroupNCCL maps SUM to MAX and PRODUCT to MIN for it).
-at::ScalarType reduced_as(at::ScalarType dtype) { return dtype == at::kBool ? at::kByte : dtype; }
-
-void accumulate(at::ScalarType dtype, char* acc, const char* x, int64_t n, Op op) {
-  AT_DISPATCH_ALL_TYPES_AND_COMPLEX_AND2(at::kHalf, at::kBFloat16, reduced_as(dtype), "mirage_nccl_reduce", [&] {
-    accumulate(reinterpret_cast<scalar_t*>(acc), reinterpret_cast<const scalar_t*>(x), n, op);
-  });
-}
-
-// PREMUL_SUM's scaling of one rank's contribution (data *= factor), and AVG's final division.
-void scale(at::ScalarType dtype, char* data, int64_t n, const Reduction& reduction, int divisor) {
-  AT_DISPATCH_ALL_TYPES_AND_COMPLEX_AND2(at::kHalf, at::kBFloat16, reduced_as(dtype), "mirage_nccl_scale", [&] {
-    auto* d = reinterpret_cast<scalar_t*>(data);
-    if (divisor) {
-      const scalar_t by = static_cast<scalar_t>(divisor);
-      for (int64_t i = 0; i < n; ++i) d[i] = d[i] / by;
-      return;
-    }
-    const scalar_t factor = reduction.factor_data ? *static_cast<const scalar_t*>(reduction.factor_data)
-                                                  : static_cast<scalar_t>(reduction.factor);
-    for (int64_t i = 0; i < n; ++i) d[i] = d[i] * factor;
-  });
-}
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -157,29 +87,6 @@ int online_cpus() {
   return sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
 }
 
-std::string describe(const Call& c) {
-  std::ostringstream text;
-  text << kind_name(c.kind);
-  if (c.kind == Kind::kBarrier) return text.str();
-  text << " of ";
-  if (c.numel >= 0) text << c.numel << " x ";
-  text << c10::toString(static_cast<at::ScalarType>(c.dtype));
-  switch (c.kind) {
-    case Kind::kBroadcast: case Kind::kGather: case Kind::kScatter:
-      text << ", root " << c.op_or_root;
-      break;
-    case Kind::kReduce:
-      text << ", root " << (c.op_or_root >> 8) << ", op " << reduce_op_name(static_cast<Op>(c.op_or_root & 0xff));
-      break;
-    case Kind::kAllReduce: case Kind::kReduceScatter: case Kind::kReduceScatterUneven:
-      text << ", op " << reduce_op_name(static_cast<Op>(c.op_or_root));
-      break;
-    default:
-      break;
-  }
-  return text.str();
-}
-
 std::string session_prefix() {
   const char* session = std::getenv("MIRAGE_SESSION");
   if (!session || !*session) return "";
@@ -205,9 +112,51 @@ size_t segment_bytes(int size) { return data_offset(size) + 2 * static_cast<size
 
 }  // namespace
 
+
+class ShmCommunicator final : public Communicator {
+ public:
+  ShmCommunicator(void* base, size_t bytes, int rank, int size, std::string instance);
+  ~ShmCommunicator() override;
+  const char* transport() const override { return "shared memory"; }
+
+  void all_reduce(char* data, int64_t numel, at::ScalarType dtype, const Reduction& reduction,
+                  const Timing& timing) override;
+  void reduce(char* data, int64_t numel, at::ScalarType dtype, const Reduction& reduction, int root,
+              const Timing& timing) override;
+  void all_gather(const std::vector<char*>& outs, const char* in, int64_t numel, at::ScalarType dtype,
+                  const Timing& timing) override;
+  void reduce_scatter(char* out, const char* in, int64_t numel, at::ScalarType dtype, const Reduction& reduction,
+                      const Timing& timing) override;
+  void broadcast(char* data, int64_t numel, at::ScalarType dtype, int root, const Timing& timing) override;
+  void agree(const Call& call, const Timing& timing) override;
+  void transfer(std::vector<Transfer>& transfers, int channel, const std::string& what,
+                const std::function<void(std::vector<Transfer>&)>& poll,
+                const std::function<void(size_t)>& finished) override;
+
+ private:
+  struct Ring;
+  uint32_t* arrived() const;
+  uint32_t* generation() const;
+  uint64_t* entered(int r) const;
+  uint32_t* doorbell(int r) const;
+  Call* call(int buffer, int r) const;
+  char* slot(int buffer, int r) const;
+  int next_buffer() { return static_cast<int>(chunks_++ & 1); }
+  void barrier(const Timing& timing);
+  void exchange(int buffer, const Call& asked, bool first_chunk, const Timing& timing);
+  void ring_bell(int r);
+  Ring& ring(int src, int dst, int channel);
+
+  char* base_;
+  size_t bytes_;
+  bool spin_;
+  uint64_t chunks_ = 0, barriers_ = 0;
+  std::vector<std::unique_ptr<Ring>> rings_;  // [channel][src][dst], mapped on first use
+};
+
 // One ordered pair's ring: [head (bytes written, by the producer) | tail (bytes read, by the
 // consumer) | mapped (how many sides mapped it)] then the data.
-struct Communicator::Ring {
+struct ShmCommunicator::Ring {
   Ring(void* base, size_t bytes) : base(static_cast<char*>(base)), capacity(bytes - kPage) {}
   ~Ring() { munmap(base, capacity + kPage); }
   std::atomic_ref<uint64_t> head() const { return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(base)); }
@@ -245,17 +194,16 @@ struct Communicator::Ring {
   size_t capacity;
 };
 
-Communicator::Communicator(void* base, size_t bytes, int rank, int size, std::string instance)
-    : base_(static_cast<char*>(base)), bytes_(bytes), rank_(rank), size_(size), spin_(size <= online_cpus()),
-      instance_(std::move(instance)), rings_(static_cast<size_t>(kChannels) * size * size) {}
+ShmCommunicator::ShmCommunicator(void* base, size_t bytes, int rank, int size, std::string instance)
+    : Communicator(rank, size, std::move(instance)), base_(static_cast<char*>(base)), bytes_(bytes),
+      spin_(size <= online_cpus()), rings_(static_cast<size_t>(kChannels) * size * size) {}
 
-Communicator::~Communicator() {
+ShmCommunicator::~ShmCommunicator() {
   rings_.clear();
   munmap(base_, bytes_);
 }
 
-std::unique_ptr<Communicator> Communicator::connect(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                                    std::chrono::milliseconds timeout) {
+std::unique_ptr<Communicator> connect_shared_memory(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size) {
   const std::string prefix = session_prefix();
   if (prefix.empty()) return nullptr;
   std::string name;
@@ -279,32 +227,24 @@ std::unique_ptr<Communicator> Communicator::connect(const c10::intrusive_ptr<c10
   if (store->add("mirage/mapped", 1) == size) shm_unlink(name.c_str());  // every rank has it now
   TORCH_CHECK_WITH(DistBackendError, base, "emulated NCCL: could not map the communicator's shared memory ", name,
                    " (is /dev/shm full? `df -h /dev/shm`)");
-  (void)timeout;
-  return std::unique_ptr<Communicator>(new Communicator(base, segment_bytes(size), rank, size,
-                                                        name.substr(name.rfind('-') + 1)));
+  return std::make_unique<ShmCommunicator>(base, segment_bytes(size), rank, size, name.substr(name.rfind('-') + 1));
 }
 
-uint32_t* Communicator::arrived() const { return reinterpret_cast<uint32_t*>(base_); }
-uint32_t* Communicator::generation() const { return reinterpret_cast<uint32_t*>(base_ + 64); }
-uint64_t* Communicator::entered(int r) const { return reinterpret_cast<uint64_t*>(base_ + 128) + r; }
-uint32_t* Communicator::doorbell(int r) const { return reinterpret_cast<uint32_t*>(base_ + doorbells_offset(size_) + 64 * r); }
-Call* Communicator::call(int buffer, int r) const {
+uint32_t* ShmCommunicator::arrived() const { return reinterpret_cast<uint32_t*>(base_); }
+uint32_t* ShmCommunicator::generation() const { return reinterpret_cast<uint32_t*>(base_ + 64); }
+uint64_t* ShmCommunicator::entered(int r) const { return reinterpret_cast<uint64_t*>(base_ + 128) + r; }
+uint32_t* ShmCommunicator::doorbell(int r) const { return reinterpret_cast<uint32_t*>(base_ + doorbells_offset(size_) + 64 * r); }
+Call* ShmCommunicator::call(int buffer, int r) const {
   return reinterpret_cast<Call*>(base_ + calls_offset(size_)) + static_cast<size_t>(buffer) * size_ + r;
 }
-char* Communicator::slot(int buffer, int r) const {
+char* ShmCommunicator::slot(int buffer, int r) const {
   return base_ + data_offset(size_) + (static_cast<size_t>(buffer) * size_ + r) * kSlotBytes;
-}
-
-void Communicator::check_usable(const std::string& what) const {
-  TORCH_CHECK_WITH(DistBackendError, !unusable_, what, ": an earlier collective of this communicator failed (a "
-                   "timeout or a desync); the communicator is aborted and cannot be used again, as with NCCL. "
-                   "Destroy the process group and create a new one.");
 }
 
 // A central barrier with a generation word to sleep on. Ranks that fit the CPUs spin briefly
 // first; oversubscribed ranks (more ranks than cores, the usual case here) go straight to the
 // futex, since spinning would only take the core from the peer being waited for.
-void Communicator::barrier(const Timing& timing) {
+void ShmCommunicator::barrier(const Timing& timing) {
   std::atomic_ref<uint32_t> gen(*generation());
   std::atomic_ref<uint32_t> count(*arrived());
   const uint32_t seen = gen.load(std::memory_order_acquire);
@@ -331,41 +271,13 @@ void Communicator::barrier(const Timing& timing) {
 }
 
 // The barrier after a chunk's copy-in; on a call's first chunk, also the comparison of calls.
-void Communicator::exchange(int buffer, const Call& asked, bool first_chunk, const Timing& timing) {
-  if (first_chunk) *call(buffer, rank_) = current_ = asked;
+void ShmCommunicator::exchange(int buffer, const Call& asked, bool first_chunk, const Timing& timing) {
+  if (first_chunk) *call(buffer, rank_) = asked;
   barrier(timing);
-  if (first_chunk) check_calls_match(buffer, asked, timing.what);
+  if (first_chunk) check_calls_match(call(buffer, 0), asked, timing.what);
 }
 
-// NCCL would silently mix a desync's data (or hang); gloo fails on the size. Here every rank
-// sees every peer's call at the first barrier, so all of them stop with the same report.
-void Communicator::check_calls_match(int buffer, const Call& asked, const std::string& what) {
-  bool all_match = true;
-  for (int r = 0; r < size_ && all_match; ++r) all_match = *call(buffer, r) == asked;
-  if (all_match) return;
-  std::ostringstream calls;
-  for (int r = 0; r < size_; ++r) calls << "\n  group rank " << r << ": " << describe(*call(buffer, r));
-  unusable_ = true;
-  TORCH_CHECK_WITH(DistBackendError, false, what, ": the ranks' calls do not match (a desync: "
-                   "NCCL would mix or hang here):", calls.str());
-}
-
-void Communicator::fail_timeout(const Timing& timing, const std::vector<int>& missing, const char* waiting_for) {
-  std::ostringstream ranks;
-  const char* sep = "";
-  for (int r : missing) {
-    ranks << sep << r;
-    sep = ", ";
-  }
-  unusable_ = true;
-  const auto ran = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - (timing.deadline - timing.timeout));
-  TORCH_CHECK_WITH(DistBackendError, false, timing.what, " ran for ", ran.count(),
-                   " milliseconds before timing out: group rank(s) ", ranks.str(), " never ", waiting_for,
-                   " (a rank that hung, died, or called a different collective). Raise `timeout=` in "
-                   "init_process_group/new_group if they are just slow.");
-}
-
-void Communicator::all_reduce(char* data, int64_t numel, at::ScalarType dtype, const Reduction& reduction,
+void ShmCommunicator::all_reduce(char* data, int64_t numel, at::ScalarType dtype, const Reduction& reduction,
                               const Timing& timing) {
   const Call asked{Kind::kAllReduce, static_cast<int32_t>(dtype), static_cast<int32_t>(reduction.op), 0, numel};
   const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
@@ -394,7 +306,7 @@ void Communicator::all_reduce(char* data, int64_t numel, at::ScalarType dtype, c
   }
 }
 
-void Communicator::reduce(char* data, int64_t numel, at::ScalarType dtype, const Reduction& reduction, int root,
+void ShmCommunicator::reduce(char* data, int64_t numel, at::ScalarType dtype, const Reduction& reduction, int root,
                           const Timing& timing) {
   const Call asked{Kind::kReduce, static_cast<int32_t>(dtype), (root << 8) | static_cast<int32_t>(reduction.op), 0,
                    numel};
@@ -414,7 +326,7 @@ void Communicator::reduce(char* data, int64_t numel, at::ScalarType dtype, const
   }
 }
 
-void Communicator::all_gather(const std::vector<char*>& outs, const char* in, int64_t numel, at::ScalarType dtype,
+void ShmCommunicator::all_gather(const std::vector<char*>& outs, const char* in, int64_t numel, at::ScalarType dtype,
                               const Timing& timing) {
   const Call asked{Kind::kAllGather, static_cast<int32_t>(dtype), 0, 0, numel};
   const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
@@ -430,7 +342,7 @@ void Communicator::all_gather(const std::vector<char*>& outs, const char* in, in
   }
 }
 
-void Communicator::reduce_scatter(char* out, const char* in, int64_t numel, at::ScalarType dtype,
+void ShmCommunicator::reduce_scatter(char* out, const char* in, int64_t numel, at::ScalarType dtype,
                                   const Reduction& reduction, const Timing& timing) {
   const Call asked{Kind::kReduceScatter, static_cast<int32_t>(dtype), static_cast<int32_t>(reduction.op), 0, numel};
   const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
@@ -451,7 +363,7 @@ void Communicator::reduce_scatter(char* out, const char* in, int64_t numel, at::
   }
 }
 
-void Communicator::broadcast(char* data, int64_t numel, at::ScalarType dtype, int root, const Timing& timing) {
+void ShmCommunicator::broadcast(char* data, int64_t numel, at::ScalarType dtype, int root, const Timing& timing) {
   const Call asked{Kind::kBroadcast, static_cast<int32_t>(dtype), root, 0, numel};
   const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t chunk = static_cast<int64_t>(kSlotBytes) / item;
@@ -464,14 +376,14 @@ void Communicator::broadcast(char* data, int64_t numel, at::ScalarType dtype, in
   }
 }
 
-void Communicator::agree(const Call& asked, const Timing& timing) { exchange(next_buffer(), asked, true, timing); }
+void ShmCommunicator::agree(const Call& asked, const Timing& timing) { exchange(next_buffer(), asked, true, timing); }
 
-void Communicator::ring_bell(int r) {
+void ShmCommunicator::ring_bell(int r) {
   std::atomic_ref<uint32_t>(*doorbell(r)).fetch_add(1, std::memory_order_acq_rel);
   futex(doorbell(r), FUTEX_WAKE, INT_MAX, nullptr);
 }
 
-Communicator::Ring& Communicator::ring(int src, int dst, int channel) {
+ShmCommunicator::Ring& ShmCommunicator::ring(int src, int dst, int channel) {
   auto& entry = rings_[(static_cast<size_t>(channel) * size_ + src) * size_ + dst];
   if (entry) return *entry;
   const size_t capacity = size_ <= 16 ? size_t{1} << 20 : size_t{256} << 10;
@@ -485,7 +397,7 @@ Communicator::Ring& Communicator::ring(int src, int dst, int channel) {
   return *entry;
 }
 
-void Communicator::transfer(std::vector<Transfer>& transfers, int channel, const std::string& what,
+void ShmCommunicator::transfer(std::vector<Transfer>& transfers, int channel, const std::string& what,
                             const std::function<void(std::vector<Transfer>&)>& poll,
                             const std::function<void(size_t)>& finished) {
   // Each message is its length (8 bytes) then its bytes; per peer and direction only the oldest
@@ -513,12 +425,7 @@ void Communicator::transfer(std::vector<Transfer>& transfers, int channel, const
           n = r.push(header + t.header_done, sizeof(t.header) - t.header_done);
         } else if (r.readable() >= sizeof(t.header)) {
           n = r.pop(header, sizeof(t.header));
-          if (t.header != t.bytes) {
-            unusable_ = true;
-            TORCH_CHECK_WITH(DistBackendError, false, what, ": a receive of ", t.bytes, " bytes from group rank ",
-                             t.peer, " matched a send of ", t.header,
-                             " bytes (a send and its recv must have the same size, as with NCCL)");
-          }
+          if (t.header != t.bytes) fail_size(t, what);
         }
         t.header_done += n;
       }

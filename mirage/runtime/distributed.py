@@ -95,9 +95,50 @@ def _trace_dict(module: ModuleType, include_collectives: bool, only_active: bool
     return {"version": _TRACE_VERSION, "entries": entries, "pg_config": {}, "pg_status": {}}
 
 
+def _add_single_process_nccl(torch: ModuleType) -> None:
+    """torch.cuda.nccl's bindings: collectives among one process's GPUs (a tensor per device),
+    as nn.DataParallel-era code calls them. Emulated GPUs share the host's memory, so each is a
+    few tensor operations; results land on each tensor's own device."""
+    C = torch._C
+    # ncclRedOp_t: ncclSum, ncclProd, ncclMax, ncclMin, ncclAvg
+    reducers = {0: torch.sum, 1: torch.prod, 2: lambda t, dim: t.amax(dim), 3: lambda t, dim: t.amin(dim),
+                4: torch.mean}
+
+    def reduced(inputs, op: int):
+        stacked = torch.stack([t.to(inputs[0].device) for t in inputs])
+        return reducers[int(op)](stacked, dim=0).to(inputs[0].dtype)
+
+    def all_reduce(inputs, outputs, op, streams=None, comms=None):
+        total = reduced(inputs, op)
+        for out in outputs:
+            out.copy_(total)
+
+    def reduce(inputs, output, root, op, streams=None, comms=None):
+        (output if output is not None else inputs[root]).copy_(reduced(inputs, op))
+
+    def broadcast(inputs, root, streams=None, comms=None):
+        for i, t in enumerate(inputs):
+            if i != root:
+                t.copy_(inputs[root])
+
+    def all_gather(inputs, outputs, streams=None, comms=None):
+        whole = torch.cat([t.reshape(-1).to(outputs[0].device) for t in inputs])
+        for out in outputs:
+            out.view(-1).copy_(whole)
+
+    def reduce_scatter(inputs, outputs, op, streams=None, comms=None):
+        total = reduced([t.reshape(-1) for t in inputs], op)
+        for i, out in enumerate(outputs):
+            out.view(-1).copy_(total[i * out.numel():(i + 1) * out.numel()])
+
+    C._nccl_all_reduce, C._nccl_reduce, C._nccl_broadcast = all_reduce, reduce, broadcast
+    C._nccl_all_gather, C._nccl_reduce_scatter = all_gather, reduce_scatter
+
+
 def _add_nccl_build_functions(torch: ModuleType, module: ModuleType, is_amd: bool) -> None:
     """What an NCCL build of torch has outside the backend, which library code calls."""
     C = torch._C
+    _add_single_process_nccl(torch)
     c10d_bindings = C._distributed_c10d
     version = _RCCL_VERSION if is_amd else _NCCL_VERSION
     C._nccl_version = lambda: (version[0] << 32) | (version[1] << 16) | version[2]

@@ -187,8 +187,8 @@ def install(torch: ModuleType) -> None:
         "_cuda_setStream": set_stream,
         "_cuda_getCurrentRawStream": lambda index: C._accelerator_getStream(index).stream_id,
         "_cuda_canDeviceAccessPeer": lambda a, b: True,
-        "_nccl_version": lambda: (2 << 32) | (21 << 16) | 5,  # what a ROCm/CUDA 2.13 build ships
-        "_nccl_version_suffix": lambda: b"",
+        # No stream is ever being captured into a CUDA graph (SyncBatchNorm asks, among others).
+        "_cuda_isCurrentStreamCapturing": lambda: False,
         "_cuda_get_sync_debug_mode": lambda: 0,
         "_cuda_set_sync_debug_mode": lambda mode: None,
     }

@@ -774,6 +774,40 @@ static bool no_cudnn_ctc_loss_tensor(const at::Tensor&, const at::Tensor&, const
   return false;
 }
 
+// _softmax / _log_softmax with half_to_float=True (autocast's way: half in, float out) have
+// only a CUDA kernel; the CPU kernel refuses the conversion. As CUDA computes them (in float),
+// the input is widened first; the backward, given float gradients for a half input
+// (input_dtype), returns the half gradient as CUDA does. Everything else: the CPU kernel.
+static void softmax_half_to_float(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  const size_t num_args = op.schema().arguments().size();
+  c10::IValue* arg = &(*stack)[stack->size() - num_args];
+  const bool backward = op.schema().name().find("backward") != std::string::npos;
+  if (!backward) {  // (self, dim, half_to_float)
+    if (arg[2].toBool()) {
+      const at::Tensor& self = arg[0].toTensor();
+      TORCH_CHECK(self.scalar_type() == at::kHalf || self.scalar_type() == at::kBFloat16,
+                  "conversion is supported for Half type only");
+      arg[0] = self.to(at::kFloat);
+      arg[2] = false;
+    }
+    fallback(op, ks, stack);
+    return;
+  }
+  // (grad_output, output, dim, input_dtype)
+  const at::ScalarType input_dtype = static_cast<at::ScalarType>(arg[3].toInt());
+  const at::ScalarType grad_dtype = arg[0].toTensor().scalar_type();
+  if (grad_dtype == input_dtype) {
+    fallback(op, ks, stack);
+    return;
+  }
+  TORCH_CHECK(grad_dtype == at::kFloat && (input_dtype == at::kHalf || input_dtype == at::kBFloat16),
+              "expected input and grad types to match, or input to be at::Half and grad to be at::Float");
+  arg[3] = static_cast<int64_t>(grad_dtype);
+  fallback(op, ks, stack);
+  c10::IValue& result = stack->back();
+  result = result.toTensor().to(input_dtype);
+}
+
 }  // namespace mirage
 
 TORCH_LIBRARY_IMPL(_, CUDA, m) {
@@ -793,6 +827,9 @@ TORCH_LIBRARY_IMPL(aten, CUDA, m) {
   m.impl("set_.source_Tensor", TORCH_FN(mirage::set_source_tensor));
   m.impl("set_", TORCH_FN(mirage::set_empty));
   m.impl("native_dropout", TORCH_FN(mirage::native_dropout));
+  for (const char* name : {"_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&mirage::softmax_half_to_float>());
+  }
   // Composites that pick a CUDA-only backend for device tensors (depthwise, slow 3d and
   // transposed convolutions, whose CUDA kernels a CPU build lacks): run the CPU composite on
   // CPU views instead, so the CPU's own algorithm choice (and numbers) apply.

@@ -1,0 +1,141 @@
+// The emulated NCCL backend's transports: what moves a communicator's bytes between its ranks.
+//
+// Two, as NCCL has: same-host shared memory (shm_transport.cpp; NCCL's SHM and P2P transports),
+// and TCP sockets (socket_transport.cpp; NCCL's net transport), which NCCL_SHM_DISABLE=1 with
+// NCCL_P2P_DISABLE=1 select, and which ranks on different hosts will use. Both implement the
+// Communicator below with the same semantics: every function works on host memory (the device
+// tensors' bytes, dense); counts are elements; each element is reduced once, in rank order, so
+// every rank gets the same bits. Every collective first compares the ranks' calls, so a desync
+// fails on every rank naming each call. A peer that does not arrive by the deadline raises
+// c10::DistBackendError naming the call and the ranks concerned; the communicator is unusable
+// after that, as an NCCL communicator is.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace mirage::nccl {
+
+using Clock = std::chrono::steady_clock;
+
+// The collectives as the cross-rank check names them.
+enum class Kind : int32_t {
+  kAllReduce, kAllGather, kReduceScatter, kBroadcast, kReduce, kGather, kScatter, kAllToAll, kBarrier,
+};
+const char* kind_name(Kind kind);
+const char* reduce_op_name(c10d::ReduceOp::RedOpType op);  // "SUM", "AVG", ...
+
+// What a rank asked for: compared with every peer's call at the call's first barrier.
+struct Call {
+  Kind kind;
+  int32_t dtype;
+  int32_t op_or_root;  // the reduce op, or the root
+  int32_t padding = 0;  // numel stays 8-byte aligned in shared memory
+  int64_t numel;  // per rank (all_gather: the input; reduce_scatter: the output); -1: may differ
+  bool operator==(const Call&) const = default;
+};
+
+// Where a collective must be done by, and how to name it if it is not.
+struct Timing {
+  Clock::time_point deadline;
+  std::chrono::milliseconds timeout;
+  std::string what;   // e.g. "WorkNCCL(SeqNum=3, OpType=ALLREDUCE, ...)"
+  uint64_t seq = 0;   // the call's number in its group, the same on every rank
+};
+
+// How the reduction treats the contributions (NCCL's ops; bitwise ones do not exist in NCCL).
+struct Reduction {
+  c10d::ReduceOp::RedOpType op = c10d::ReduceOp::SUM;  // SUM, PRODUCT, MIN, MAX, AVG, PREMUL_SUM
+  double factor = 1.0;            // PREMUL_SUM with a scalar factor
+  const void* factor_data = nullptr;  // PREMUL_SUM with a tensor factor: one element of the dtype
+};
+
+// One point-to-point transfer: `bytes` to or from group rank `peer`, due by `deadline`.
+struct Transfer {
+  bool send;
+  int peer;
+  char* data;
+  size_t bytes;
+  Clock::time_point deadline;
+  std::chrono::milliseconds timeout;
+  size_t done = 0;          // payload bytes moved
+  uint64_t header = 0;      // the message's length, sent ahead of it
+  size_t header_done = 0;
+  bool finished() const { return header_done == sizeof(header) && done == bytes; }
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  // A name for this communicator instance, the same on all its ranks and different from every
+  // other communicator of the session (a group re-created under an old name included).
+  const std::string& instance() const { return instance_; }
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  virtual const char* transport() const = 0;
+
+  virtual void all_reduce(char* data, int64_t numel, at::ScalarType dtype, const Reduction& reduction,
+                          const Timing& timing) = 0;
+  virtual void reduce(char* data, int64_t numel, at::ScalarType dtype, const Reduction& reduction, int root,
+                      const Timing& timing) = 0;
+  // outs[r] = rank r's `in` (numel elements each).
+  virtual void all_gather(const std::vector<char*>& outs, const char* in, int64_t numel, at::ScalarType dtype,
+                          const Timing& timing) = 0;
+  // out (numel) = the reduction over ranks of their in[rank * numel ...] (in: size x numel).
+  virtual void reduce_scatter(char* out, const char* in, int64_t numel, at::ScalarType dtype,
+                              const Reduction& reduction, const Timing& timing) = 0;
+  virtual void broadcast(char* data, int64_t numel, at::ScalarType dtype, int root, const Timing& timing) = 0;
+  // Only the calls are exchanged and compared: a barrier, and the opening of collectives that
+  // move their data point to point (gather, scatter, all_to_all).
+  virtual void agree(const Call& call, const Timing& timing) = 0;
+  // Moves every transfer to completion, all at once (so no order of sends and receives can
+  // deadlock). `channel` separates users: 0 point-to-point ops, 1 collectives. Whenever nothing
+  // can move, `poll` may append transfers issued meanwhile; `finished(i)` is told of each one
+  // done. A transfer past its deadline raises, naming `what` and the peer.
+  virtual void transfer(std::vector<Transfer>& transfers, int channel, const std::string& what,
+                        const std::function<void(std::vector<Transfer>&)>& poll = {},
+                        const std::function<void(size_t)>& finished = {}) = 0;
+
+  // Refuses a communicator that failed before (a timeout or a desync).
+  void check_usable(const std::string& what) const;
+
+ protected:
+  Communicator(int rank, int size, std::string instance) : instance_(std::move(instance)), rank_(rank), size_(size) {}
+  // Raises the desync report unless every rank's call equals `asked` (calls[r]: rank r's).
+  void check_calls_match(const Call* calls, const Call& asked, const std::string& what);
+  [[noreturn]] void fail_timeout(const Timing& timing, const std::vector<int>& missing, const char* waiting_for);
+  // A receive whose matching send had another size (the header of `t` says what was sent).
+  [[noreturn]] void fail_size(const Transfer& t, const std::string& what);
+
+  std::string instance_;
+  int rank_, size_;
+  std::atomic<bool> unusable_{false};  // written by the point-to-point worker too
+};
+
+// acc = acc (op) x, elementwise, in `dtype` (bool as uint8). Plain loops, vectorised by the
+// compiler: ATen kernels would wake intra-op threads, and with more ranks than cores the peers
+// need every core.
+void accumulate(at::ScalarType dtype, char* acc, const char* x, int64_t n, c10d::ReduceOp::RedOpType op);
+// PREMUL_SUM's scaling of one contribution (data *= factor); with `divisor`, AVG's division.
+void scale(at::ScalarType dtype, char* data, int64_t n, const Reduction& reduction, int divisor);
+
+// The transports. Both are collective over the group's store and block until every rank has
+// joined; null when the transport cannot serve this process (shared memory: no mirage session,
+// or /dev/shm too small).
+std::unique_ptr<Communicator> connect_shared_memory(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size);
+std::unique_ptr<Communicator> connect_sockets(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                              std::chrono::milliseconds timeout);
+
+}  // namespace mirage::nccl

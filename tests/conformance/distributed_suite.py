@@ -1,0 +1,82 @@
+"""PyTorch's own distributed conformance suite (DistributedTest, shipped in the wheel), driven as
+PyTorch's test/distributed/test_distributed_spawn.py drives it: one TestCase that combines
+TestDistBackend (which spawns WORLD_SIZE fresh ranks per test) with DistributedTest._DistTestBase.
+
+Run it inside a session, e.g.
+
+    mirage run --gpus-per-node 2 -- python tests/conformance/distributed_suite.py \\
+        --backend nccl --world-size 2 --json results.json [-k PATTERN ...]
+
+It prints unittest's report and, with --json, writes every test's outcome (passed, failed, error,
+skipped, with the reason) for docs/conformance.md. The spawned ranks import this file again
+(as __mp_main__); the environment the suite reads at import is set by then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+import unittest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="nccl")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--json", help="write every test's outcome here")
+    parser.add_argument("-k", action="append", default=[], help="run only tests whose name contains this")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    ARGS = _arguments()
+    _scratch = tempfile.mkdtemp(prefix="dist-suite-")
+    open(os.path.join(_scratch, "barrier"), "w").close()
+    os.environ.update(BACKEND=ARGS.backend, WORLD_SIZE=str(ARGS.world_size), TEMP_DIR=_scratch,
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+
+import torch  # noqa: E402  (the suite reads BACKEND and WORLD_SIZE when imported)
+from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402
+
+
+class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+        torch.backends.cudnn.flags(enabled=True, allow_tf32=False).__enter__()
+
+
+def _run(args: argparse.Namespace) -> int:
+    names = unittest.TestLoader().getTestCaseNames(TestDistBackendWithSpawn)
+    if args.k:
+        names = [n for n in names if any(k in n for k in args.k)]
+    suite = unittest.TestSuite(TestDistBackendWithSpawn(n) for n in names)
+    started = time.monotonic()
+    result = unittest.TextTestRunner(verbosity=2, stream=sys.stdout).run(suite)
+    wall = time.monotonic() - started
+    if args.json:
+        outcomes = {n: {"outcome": "passed"} for n in names}
+        for kind, entries in (("failed", result.failures), ("error", result.errors)):
+            for test, trace in entries:
+                outcomes[test._testMethodName] = {"outcome": kind, "reason": trace.strip().splitlines()[-1]}
+        for test, reason in result.skipped:
+            outcomes[test._testMethodName] = {"outcome": "skipped", "reason": reason}
+        with open(args.json, "w") as f:
+            json.dump({"backend": args.backend, "world_size": args.world_size, "wall_s": round(wall, 1),
+                       "tests": outcomes}, f, indent=1, sort_keys=True)
+    return 0 if result.wasSuccessful() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(_run(ARGS))
