@@ -20,7 +20,7 @@
 #include "transport.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ParamCommsUtils.hpp>
 #include <torch/extension.h>
 
 #include <sys/socket.h>
@@ -251,9 +251,10 @@ const char* op_type_name(OpType t) {
 class EmulatedWork final : public c10d::Work {
  public:
   EmulatedWork(int rank, OpType type, const char* profiling_title, const std::vector<at::Tensor>& inputs,
-               std::vector<at::Tensor> outputs, uint64_t seq, std::string description)
+               std::vector<at::Tensor> outputs, uint64_t seq, std::string description,
+               std::tuple<std::string, std::string> group, int group_size)
       : c10d::Work(rank, type, profiling_title, inputs), outputs_(std::move(outputs)), seq_(seq),
-        description_(std::move(description)) {
+        description_(std::move(description)), group_(std::move(group)), group_size_(group_size) {
     std::vector<c10::Device> devices;
     for (const auto& t : outputs_) {
       if (t.is_cuda() && std::find(devices.begin(), devices.end(), t.device()) == devices.end()) {
@@ -279,6 +280,9 @@ class EmulatedWork final : public c10d::Work {
   void synchronize() override {}
 
   bool wait(std::chrono::milliseconds timeout) override {
+    // The profiler's record of the wait, as WorkNCCL::wait makes it.
+    RECORD_PARAM_COMMS(static_cast<int>(seq_), group_, rank_, "wait", 0, 0, at::kByte, std::vector<int64_t>(),
+                       std::vector<int64_t>(), -1, -1, group_size_);
     std::unique_lock<std::mutex> lock(mutex_);
     if (timeout == std::chrono::milliseconds(0)) {  // kNoTimeout
       cv_.wait(lock, [&] { return completed_; });
@@ -296,6 +300,8 @@ class EmulatedWork final : public c10d::Work {
   std::vector<at::Tensor> outputs_;
   uint64_t seq_;
   std::string description_;
+  std::tuple<std::string, std::string> group_;  // (name, description), for the profiler
+  int group_size_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
@@ -694,6 +700,16 @@ class ProcessGroupNCCL final : public c10d::Backend {
   }
 
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
+    // ProcessGroupNCCL's barrier runs on the group's device: the one given, else the one this
+    // process used last, else (guessDeviceId) the global rank modulo the GPUs it sees.
+    if (opts.device) {
+      barrier_device_ = opts.device->index();
+    } else if (!opts.device_ids.empty()) {
+      barrier_device_ = static_cast<int>(opts.device_ids[0]);
+    } else if (barrier_device_ < 0) {
+      barrier_device_ = my_global_rank() % std::max<int>(1, static_cast<int>(c10::impl::getDeviceGuardImpl(
+                                                                c10::DeviceType::CUDA)->deviceCount()));
+    }
     std::vector<at::Tensor> none;
     return collective(OpType::BARRIER, "nccl:all_reduce_barrier", "barrier", none, none, opts.timeout, "", [&] {
       comm_->agree(Call{Kind::kBarrier, 0, 0, 0, 0}, timing_);
@@ -900,6 +916,47 @@ class ProcessGroupNCCL final : public c10d::Backend {
     return std::make_exception_ptr(c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, __LINE__}, message));
   }
 
+  std::tuple<std::string, std::string> profiler_group() const { return {group_name(), getGroupDesc()}; }
+
+  // The profiler's "record_param_comms" event with the operation's metadata, as ProcessGroupNCCL
+  // records it (collective name, sizes, dtype, the group's ranks as start and stride).
+  void record_param_comms(const Record& r, const std::vector<at::Tensor>& ins, const std::vector<at::Tensor>& outs) {
+    const auto ranks = group_ranks();
+    const int start = static_cast<int>(ranks.front());
+    int stride = ranks.size() > 1 ? static_cast<int>(ranks[1] - ranks[0]) : 1;
+    for (size_t i = 1; i < ranks.size(); ++i) {
+      if (static_cast<int>(ranks[i] - ranks[i - 1]) != stride) stride = -1;
+    }
+    const auto& any = !ins.empty() ? ins : outs;
+    const at::ScalarType dtype = any.empty() ? at::kByte : any[0].scalar_type();
+    std::string name = param_comms_name(r);
+    RECORD_PARAM_COMMS_DATA(static_cast<int>(r.seq), profiler_group(), ins, outs, rank_, std::move(name), r.numel_in,
+                            r.numel_out, dtype, std::vector<int64_t>(), std::vector<int64_t>(), start, stride, size_);
+  }
+
+  // ProcessGroupNCCL's collective names in those events.
+  static std::string param_comms_name(const Record& r) {
+    switch (r.type) {
+      case OpType::ALLREDUCE: return "allreduce";
+      case OpType::ALLREDUCE_COALESCED: return "allreduce_coalesced";
+      case OpType::BROADCAST: return "broadcast";
+      case OpType::REDUCE: return "reduce";
+      case OpType::ALLGATHER: return "all_gather";
+      case OpType::_ALLGATHER_BASE: return "_allgather_base";
+      case OpType::ALLGATHER_COALESCED: return "allgather_coalesced";
+      case OpType::REDUCE_SCATTER: return "reduce_scatter";
+      case OpType::_REDUCE_SCATTER_BASE: return "_reduce_scatter_base";
+      case OpType::ALLTOALL_BASE: return "all_to_allv";
+      case OpType::ALLTOALL: return "all_to_all";
+      case OpType::GATHER: return "gather";
+      case OpType::SCATTER: return "scatter";
+      case OpType::SEND: return "send";
+      case OpType::RECV: return "recv";
+      case OpType::BARRIER: return "barrier";
+      default: return r.name;
+    }
+  }
+
   static bool timed_out(const c10::Error& e) {
     return std::string(e.what_without_backtrace()).find("before timing out") != std::string::npos;
   }
@@ -912,8 +969,12 @@ class ProcessGroupNCCL final : public c10d::Backend {
     std::lock_guard<std::mutex> serial(collective_mu_);  // the communicator's stream: one at a time
     const auto timeout = timeout_for(asked_timeout);
     Record r = make_record(type, profiling, name, ins, outs, timeout, std::move(reduce_op), false);
-    auto work = c10::make_intrusive<EmulatedWork>(rank_, type, profiling, ins, outs, r.seq, describe_work(r));
-    check_distinct_gpus(ins.empty() ? outs : ins);
+    auto work = c10::make_intrusive<EmulatedWork>(rank_, type, profiling, ins, outs, r.seq, describe_work(r),
+                                                  profiler_group(), size_);
+    record_param_comms(r, ins, outs);
+    const auto& tensors = ins.empty() ? outs : ins;
+    check_distinct_gpus(tensors);
+    if (!tensors.empty()) barrier_device_ = tensors[0].device().index();
     timing_ = Timing{Clock::now() + timeout, timeout, describe_work(r), r.seq};
     r.started_ns = wall_ns();
     r.state = "started";
@@ -973,8 +1034,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
   void check_distinct_gpus(const std::vector<at::Tensor>& tensors) {
     if (gpus_checked_) return;
     gpus_checked_ = true;
-    const int device = tensors.empty() ? c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index()
-                                       : tensors[0].device().index();
+    const int device = tensors.empty() ? std::max(barrier_device_, 0) : tensors[0].device().index();
     const char* host = std::getenv("NCCL_HOSTID");
     const char* visible = std::getenv("MIRAGE_VISIBLE_GPUS");
     int node_gpu = device;
@@ -1045,7 +1105,8 @@ class ProcessGroupNCCL final : public c10d::Backend {
     }
     p.record.peer = peer;
     p.work = c10::make_intrusive<EmulatedWork>(rank_, p.record.type, profiling.c_str(), tensors, tensors, p.record.seq,
-                                               describe_work(p.record));
+                                               describe_work(p.record), profiler_group(), size_);
+    record_param_comms(p.record, tensors, tensors);
     p.transfer = Transfer{sending, peer, data(t), static_cast<size_t>(nbytes(t)), Clock::now() + timeout, timeout};
     keep_trace(p.record);
     record(p.record, true);
@@ -1122,6 +1183,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
   Timing timing_;  // of the collective in progress (under collective_mu_)
   std::atomic<uint64_t> seq_{0}, p2p_seq_{0};
   bool gpus_checked_ = false;
+  int barrier_device_ = -1;  // see barrier()
   std::atomic<bool> failed_{false};
   std::mutex mu_;  // coalescing state and the point-to-point queue
   bool coalescing_ = false;

@@ -194,6 +194,7 @@ def install(torch: ModuleType) -> None:
     }
     for name, fn in bindings.items():
         setattr(C, name, fn)
+    cuda.graphs._cuda_isCurrentStreamCapturing = C._cuda_isCurrentStreamCapturing  # imported by name there
 
     properties = [DeviceProperties(profile, node_gpu) for node_gpu in visible]
     cuda._CudaDeviceProperties = DeviceProperties
