@@ -144,6 +144,8 @@ class ShmCommunicator final : public Communicator {
   int next_buffer() { return static_cast<int>(chunks_++ & 1); }
   void barrier(const Timing& timing);
   void exchange(int buffer, const Call& asked, bool first_chunk, const Timing& timing);
+  void reduce_chunks(char* data, int64_t numel, at::ScalarType dtype, const Reduction& reduction, int root,
+                     const Call& asked, const Timing& timing);
   void ring_bell(int r);
   Ring& ring(int src, int dst, int channel);
 
@@ -278,19 +280,35 @@ void ShmCommunicator::exchange(int buffer, const Call& asked, bool first_chunk, 
 }
 
 void ShmCommunicator::all_reduce(char* data, int64_t numel, at::ScalarType dtype, const Reduction& reduction,
-                              const Timing& timing) {
+                                 const Timing& timing) {
   const Call asked{Kind::kAllReduce, static_cast<int32_t>(dtype), static_cast<int32_t>(reduction.op), 0, numel};
+  reduce_chunks(data, numel, dtype, reduction, -1, asked, timing);
+}
+
+void ShmCommunicator::reduce(char* data, int64_t numel, at::ScalarType dtype, const Reduction& reduction, int root,
+                             const Timing& timing) {
+  const Call asked{Kind::kReduce, static_cast<int32_t>(dtype), (root << 8) | static_cast<int32_t>(reduction.op), 0,
+                   numel};
+  reduce_chunks(data, numel, dtype, reduction, root, asked, timing);
+}
+
+// all_reduce (root -1) and reduce: per chunk, every rank copies its part in; a small chunk is
+// reduced whole by each rank that wants the result; a large one is split, each rank reducing
+// its share into rank 0's slot, and after a second barrier the result is copied out.
+void ShmCommunicator::reduce_chunks(char* data, int64_t numel, at::ScalarType dtype, const Reduction& reduction,
+                                    int root, const Call& asked, const Timing& timing) {
   const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t chunk = static_cast<int64_t>(kSlotBytes) / item;
-  const bool premul = reduction.op == Op::PREMUL_SUM;
+  const bool wants_result = root < 0 || root == rank_;
   for (int64_t offset = 0; offset == 0 || offset < numel; offset += chunk) {
     const int64_t n = std::min(chunk, numel - offset);
     char* mine = data + offset * item;
     const int buffer = next_buffer();
     std::memcpy(slot(buffer, rank_), mine, static_cast<size_t>(n * item));
-    if (premul) scale(dtype, slot(buffer, rank_), n, reduction, 0);
+    if (reduction.op == Op::PREMUL_SUM) scale(dtype, slot(buffer, rank_), n, reduction, 0);
     exchange(buffer, asked, offset == 0, timing);
-    if (static_cast<size_t>(n * item) <= kSmallChunkBytes) {  // every rank reduces it all
+    if (static_cast<size_t>(n * item) <= kSmallChunkBytes) {
+      if (!wants_result) continue;
       std::memcpy(mine, slot(buffer, 0), static_cast<size_t>(n * item));
       for (int r = 1; r < size_; ++r) accumulate(dtype, mine, slot(buffer, r), n, reduction.op);
       if (reduction.op == Op::AVG) scale(dtype, mine, n, reduction, size_);
@@ -302,27 +320,7 @@ void ShmCommunicator::all_reduce(char* data, int64_t numel, at::ScalarType dtype
     }
     if (reduction.op == Op::AVG && hi > lo) scale(dtype, slot(buffer, 0) + lo * item, hi - lo, reduction, size_);
     barrier(timing);
-    std::memcpy(mine, slot(buffer, 0), static_cast<size_t>(n * item));
-  }
-}
-
-void ShmCommunicator::reduce(char* data, int64_t numel, at::ScalarType dtype, const Reduction& reduction, int root,
-                          const Timing& timing) {
-  const Call asked{Kind::kReduce, static_cast<int32_t>(dtype), (root << 8) | static_cast<int32_t>(reduction.op), 0,
-                   numel};
-  const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
-  const int64_t chunk = static_cast<int64_t>(kSlotBytes) / item;
-  for (int64_t offset = 0; offset == 0 || offset < numel; offset += chunk) {
-    const int64_t n = std::min(chunk, numel - offset);
-    char* mine = data + offset * item;
-    const int buffer = next_buffer();
-    std::memcpy(slot(buffer, rank_), mine, static_cast<size_t>(n * item));
-    if (reduction.op == Op::PREMUL_SUM) scale(dtype, slot(buffer, rank_), n, reduction, 0);
-    exchange(buffer, asked, offset == 0, timing);
-    if (rank_ != root) continue;
-    std::memcpy(mine, slot(buffer, 0), static_cast<size_t>(n * item));
-    for (int r = 1; r < size_; ++r) accumulate(dtype, mine, slot(buffer, r), n, reduction.op);
-    if (reduction.op == Op::AVG) scale(dtype, mine, n, reduction, size_);
+    if (wants_result) std::memcpy(mine, slot(buffer, 0), static_cast<size_t>(n * item));
   }
 }
 
