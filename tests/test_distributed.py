@@ -210,3 +210,22 @@ def test_dist_smoke_on_32_emulated_gpus():
                     "python", "tests/fixtures/ml/dist_smoke.py", timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "all_reduce sum = 528 (expected 528) on 32 ranks" in result.stdout
+
+
+def test_a_gloo_group_takes_device_tensors_as_a_cuda_build_s_gloo_does(tmp_path):
+    """A CPU build's gloo has no CUDA path (it crashed on device tensors); gloo's cuda side is an
+    adapter that hands it host aliases of the device memory."""
+    script = tmp_path / "gloo_cuda.py"
+    script.write_text(
+        "import os, torch, torch.distributed as dist\n"
+        "rank = int(os.environ['RANK']); torch.cuda.set_device(rank)\n"
+        "dist.init_process_group('gloo')\n"
+        "t = torch.full((5,), float(rank + 1), device='cuda'); dist.all_reduce(t)\n"
+        "parts = [torch.empty(5, device='cuda') for _ in range(2)]; dist.all_gather(parts, t)\n"
+        "cpu = torch.ones(2); dist.all_reduce(cpu)\n"
+        "assert t.device.type == 'cuda' and t.tolist() == [3.0] * 5 and parts[1].tolist() == [3.0] * 5\n"
+        "assert cpu.tolist() == [2.0, 2.0] and dist.get_backend() == 'gloo'\n"
+        "print('gloo_cuda_ok')\n")
+    result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", str(script), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[0] gloo_cuda_ok" in result.stdout and "[1] gloo_cuda_ok" in result.stdout

@@ -17,6 +17,7 @@
 // pending send and receive at once, as NCCL's stream would, so isend/irecv in any order and
 // batch_isend_irecv never deadlock.
 
+#include "gloo_on_device.h"
 #include "transport.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -1319,6 +1320,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly_static("NCCL_CTA_POLICY_DEFAULT", &kCtaDefault)
       .def_readonly_static("NCCL_CTA_POLICY_EFFICIENCY", &kCtaEfficiency)
       .def_readonly_static("NCCL_CTA_POLICY_ZERO", &kCtaZero);
+  py::class_<mirage::nccl::GlooOnDevice, c10d::Backend, NoGilHolder<mirage::nccl::GlooOnDevice>>(m, "GlooOnDevice")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& gloo) {
+        return c10::make_intrusive<mirage::nccl::GlooOnDevice>(gloo);
+      }));
   m.def("_set_session_fd", &ProcessGroupNCCL::set_session_fd);
   m.def("_trace_json", &mirage::nccl::trace_json, py::arg("only_active") = false);
 }

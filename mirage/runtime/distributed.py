@@ -156,6 +156,22 @@ def _add_nccl_build_functions(torch: ModuleType, module: ModuleType, is_amd: boo
     c10d_bindings._dump_nccl_trace_json = dump_nccl_trace_json
 
 
+def _give_gloo_device_tensors(c10d: ModuleType, module: ModuleType) -> None:
+    """A gloo group serves cuda too (as a CUDA build's gloo does); a CPU build's gloo cannot take
+    device tensors, so its cuda registration gets the adapter that hands it host aliases of
+    them (mirage/nccl/gloo_on_device.cpp)."""
+    ProcessGroup = c10d.ProcessGroup
+    register = ProcessGroup._register_backend
+
+    def register_backend(pg, device, backend_type, backend):
+        if device.type == "cuda" and isinstance(backend, c10d.ProcessGroupGloo):
+            # A group holds one backend per type: the adapter needs a type of its own.
+            backend, backend_type = module.GlooOnDevice(backend), ProcessGroup.BackendType.CUSTOM
+        return register(pg, device, backend_type, backend)
+
+    ProcessGroup._register_backend = register_backend
+
+
 def install(torch: ModuleType) -> None:
     """Wires emulated NCCL into torch.distributed. Called right after `import torch`."""
     import torch.distributed as dist
@@ -175,6 +191,7 @@ def install(torch: ModuleType) -> None:
     c10d.default_pg_nccl_timeout = _NCCL_DEFAULT_TIMEOUT
     dist.constants.default_pg_nccl_timeout = _NCCL_DEFAULT_TIMEOUT
     _add_nccl_build_functions(torch, module, bool(torch.version.hip))
+    _give_gloo_device_tensors(c10d, module)
     connection = session.connection_fd()
     if connection is not None:
         module._set_session_fd(connection)

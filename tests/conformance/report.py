@@ -1,0 +1,48 @@
+"""Writes docs/conformance.md from the JSON results of distributed_suite.py runs.
+
+    python tests/conformance/report.py docs/conformance/*.json > docs/conformance.md
+
+Per run: how many tests passed, failed, errored and were skipped, the wall time, every failure
+and error with its reason, and the skips grouped by reason (the suite's own reasons: a test
+for another backend, a ROCm build, more GPUs than the run has...).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+from pathlib import Path
+
+
+def describe(path: Path) -> list[str]:
+    run = json.loads(path.read_text())
+    tests = run["tests"]
+    counts = collections.Counter(t["outcome"] for t in tests.values())
+    ran = len(tests) - counts["skipped"]
+    lines = [f"### {run.get('label', path.stem)}", "",
+             f"{len(tests)} tests: **{counts['passed']} passed**, {counts['failed']} failed, {counts['error']} errors, "
+             f"{counts['skipped']} skipped ({counts['passed']}/{ran} of those that ran passed); wall time "
+             f"{run['wall_s']:.0f} s.", ""]
+    broken = sorted((name, t) for name, t in tests.items() if t["outcome"] in ("failed", "error"))
+    if broken:
+        lines += ["Failures and errors:", ""]
+        lines += [f"- `{name}` ({t['outcome']}): {t.get('reason', '')}" for name, t in broken]
+        lines.append("")
+    reasons = collections.Counter(t.get("reason", "") for t in tests.values() if t["outcome"] == "skipped")
+    if reasons:
+        lines += ["Skips, by the suite's reason:", "", "| tests | reason |", "| ---: | --- |"]
+        lines += [f"| {n} | {reason.replace('|', '/')} |" for reason, n in reasons.most_common()]
+        lines.append("")
+    return lines
+
+
+def main() -> None:
+    out = []
+    for name in sys.argv[1:]:
+        out += describe(Path(name))
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()
