@@ -229,3 +229,24 @@ def test_a_gloo_group_takes_device_tensors_as_a_cuda_build_s_gloo_does(tmp_path)
     result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", str(script), timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[0] gloo_cuda_ok" in result.stdout and "[1] gloo_cuda_ok" in result.stdout
+
+
+def test_destroying_a_group_fails_its_pending_point_to_point_operations(tmp_path):
+    """As ncclCommAbort does: a receive nobody sends to fails at destroy_process_group instead
+    of keeping the process (and its worker thread) waiting forever."""
+    script = tmp_path / "pending.py"
+    script.write_text(
+        "import os, torch, torch.distributed as dist\n"
+        "rank = int(os.environ['RANK']); torch.cuda.set_device(rank)\n"
+        "dist.init_process_group('nccl')\n"
+        "t = torch.empty(4, device='cuda')\n"
+        "pending = dist.irecv(t, 1) if rank == 0 else None\n"
+        "dist.barrier(); dist.destroy_process_group()\n"
+        "if rank == 0:\n"
+        "    try:\n"
+        "        pending.wait()\n"
+        "    except Exception as e:\n"
+        "        print('failed:', e)\n")
+    result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", str(script), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "OpType=RECV" in result.stdout and "destroyed or aborted while it was pending" in result.stdout

@@ -267,6 +267,7 @@ class EmulatedWork final : public c10d::Work {
 
   // Completes the work (and its future); an error is kept for wait() to raise.
   void complete(std::exception_ptr error = nullptr) {
+    duration_ms_ = std::chrono::duration<float, std::milli>(Clock::now() - started_).count();
     if (error) {
       future_->setError(error);
     } else {
@@ -276,6 +277,12 @@ class EmulatedWork final : public c10d::Work {
   }
 
   std::vector<at::Tensor> result() override { return outputs_; }
+  // TORCH_NCCL_ENABLE_TIMING (or enableCollectivesTiming): how long the operation ran.
+  float getDuration() const override {
+    TORCH_CHECK(timed_, "getDuration only works if timing was enabled");
+    return duration_ms_;
+  }
+  void time_it() { timed_ = true; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   uint64_t getSequencenumber() const override { return seq_; }
   void synchronize() override {}
@@ -303,6 +310,9 @@ class EmulatedWork final : public c10d::Work {
   std::string description_;
   std::tuple<std::string, std::string> group_;  // (name, description), for the profiler
   int group_size_;
+  Clock::time_point started_ = Clock::now();
+  float duration_ms_ = 0;
+  bool timed_ = false;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
@@ -382,8 +392,8 @@ class ProcessGroupNCCL final : public c10d::Backend {
   ProcessGroupNCCL(c10::intrusive_ptr<c10d::Store> store, int rank, int size, c10::intrusive_ptr<Options> options)
       : c10d::Backend(rank, size), store_(std::move(store)), options_(std::move(options)), uid_(next_uid()++) {
     blocking_wait_ = env_flag("TORCH_NCCL_BLOCKING_WAIT", false);
+    measure_durations_ = env_flag("TORCH_NCCL_ENABLE_TIMING", false);
     async_error_handling_ = env_int("TORCH_NCCL_ASYNC_ERROR_HANDLING", 3);
-    dump_on_timeout_ = env_flag("TORCH_NCCL_DUMP_ON_TIMEOUT", false);
     // NCCL leaves a node's shared memory and P2P paths for the network only when both are
     // turned off; so does the emulation.
     comm_ = env_flag("NCCL_SHM_DISABLE", false) && env_flag("NCCL_P2P_DISABLE", false)
@@ -414,6 +424,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
   void setTimeout(std::chrono::milliseconds timeout) override { options_->timeout = timeout; }
   void add_ephemeral_timeout(std::chrono::milliseconds extra) { ephemeral_timeout_ += extra; }
   void eagerConnectSingleDevice(at::Device) override {}
+  void enableCollectivesTiming() override { measure_durations_ = true; }
 
   void startCoalescing() override {
     std::lock_guard<std::mutex> g(mu_);
@@ -911,7 +922,6 @@ class ProcessGroupNCCL final : public c10d::Backend {
           << "[rank" << my_global_rank() << "]:[E" << stamp << " ProcessGroupNCCL.cpp] " << log_prefix()
           << "To avoid data inconsistency, we are taking the entire process down.\n";
       std::cerr << log.str() << std::flush;
-      if (dump_on_timeout_) std::cerr << log_prefix() << "flight recorder: see torch._C._distributed_c10d._dump_nccl_trace()\n";
       std::abort();
     }
     return std::make_exception_ptr(c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, __LINE__}, message));
@@ -973,6 +983,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
     auto work = c10::make_intrusive<EmulatedWork>(rank_, type, profiling, ins, outs, r.seq, describe_work(r),
                                                   profiler_group(), size_);
     record_param_comms(r, ins, outs);
+    if (measure_durations_) work->time_it();
     const auto& tensors = ins.empty() ? outs : ins;
     check_distinct_gpus(tensors);
     if (!tensors.empty()) barrier_device_ = tensors[0].device().index();
@@ -982,16 +993,22 @@ class ProcessGroupNCCL final : public c10d::Backend {
     keep_trace(r);
     record(r, true);
     std::exception_ptr error;
+    const auto finished = [&] {
+      r.completed_ns = wall_ns();
+      r.state = "completed";
+      finish_trace(r);
+      record(r, false);
+    };
     try {
       comm_->check_usable(timing_.what);
       run();
     } catch (const c10::DistBackendError& e) {
       error = on_failure(r, e, timed_out(e));
+    } catch (...) {  // an argument refused on the way: the operation ends here, with the error
+      finished();
+      throw;
     }
-    r.completed_ns = wall_ns();
-    r.state = "completed";
-    finish_trace(r);
-    record(r, false);
+    finished();
     work->complete(error);
     std::lock_guard<std::mutex> g(mu_);
     if (coalescing_) coalesced_.push_back(work);
@@ -1092,6 +1109,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> point_to_point(std::vector<at::Tensor>& tensors, int peer, bool sending) {
     const at::Tensor& t = single(tensors);
+    TORCH_CHECK_WITH(DistBackendError, !stopping_, "the process group was destroyed or aborted");
     // (A rank may send to itself, as NCCL allows within a batch: its own ring carries it.)
     TORCH_CHECK_VALUE(peer >= 0 && peer < size_, "Invalid ", sending ? "destination" : "source", " rank ", peer,
                       " for a group of ", size_, " (this rank ", rank_, ")");
@@ -1108,6 +1126,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
     p.work = c10::make_intrusive<EmulatedWork>(rank_, p.record.type, profiling.c_str(), tensors, tensors, p.record.seq,
                                                describe_work(p.record), profiler_group(), size_);
     record_param_comms(p.record, tensors, tensors);
+    if (measure_durations_) p.work->time_it();
     p.transfer = Transfer{sending, peer, data(t), static_cast<size_t>(nbytes(t)), Clock::now() + timeout, timeout};
     keep_trace(p.record);
     record(p.record, true);
@@ -1127,6 +1146,9 @@ class ProcessGroupNCCL final : public c10d::Backend {
     std::vector<Transfer> transfers;
     const auto take_new = [&](std::vector<Transfer>& list) {
       std::lock_guard<std::mutex> g(mu_);
+      // Destroying or aborting the group ends what is still pending, as ncclCommAbort does.
+      TORCH_CHECK_WITH(DistBackendError, !stopping_, "the process group was destroyed or aborted while this "
+                       "point-to-point operation was pending");
       while (!queue_.empty()) {
         active.push_back(std::move(queue_.front()));
         queue_.pop_front();
@@ -1154,6 +1176,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
       } catch (const c10::DistBackendError& e) {
         for (size_t i = 0; i < active.size(); ++i) {
           if (transfers[i].finished()) continue;
+          record(active[i].record, false);
           active[i].work->complete(on_failure(active[i].record, e, timed_out(e)));
         }
       }
@@ -1170,6 +1193,19 @@ class ProcessGroupNCCL final : public c10d::Backend {
       if (worker_.get_id() == std::this_thread::get_id()) worker_.detach();
       else worker_.join();
     }
+    // What the worker never took fails as well, as ncclCommAbort fails everything pending.
+    std::deque<Pending> left;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      left.swap(queue_);
+    }
+    for (auto& p : left) {
+      record(p.record, false);
+      p.work->complete(std::make_exception_ptr(c10::DistBackendError(
+          c10::SourceLocation{__func__, __FILE__, __LINE__},
+          log_prefix() + describe_work(p.record) + " failed: the process group was destroyed or aborted while it "
+          "was pending")));
+    }
   }
 
   c10::intrusive_ptr<c10d::Store> store_;
@@ -1177,8 +1213,8 @@ class ProcessGroupNCCL final : public c10d::Backend {
   uint64_t uid_;
   std::unique_ptr<Communicator> comm_;
   bool blocking_wait_ = false;
+  std::atomic<bool> measure_durations_{false};  // Works measure their duration
   int async_error_handling_ = 3;
-  bool dump_on_timeout_ = false;
   std::chrono::milliseconds ephemeral_timeout_{0};
   std::mutex collective_mu_;
   Timing timing_;  // of the collective in progress (under collective_mu_)
