@@ -183,8 +183,8 @@ def test_collectives_that_do_not_match_end_the_session_naming_each_call(tmp_path
       "group rank(s) 1 never reached it", "Rank 0] To avoid data inconsistency, we are taking the entire process down."]),
     # ... with TORCH_NCCL_BLOCKING_WAIT=1 the error is raised where the caller waits.
     ("dist.all_to_all_single(torch.empty_like(t), t)", ["--env", "TORCH_NCCL_BLOCKING_WAIT=1"], 1,
-     ["torch.distributed.DistBackendError: [PG ID 0 PG GUID 0(default_pg) Rank 0] WorkNCCL(SeqNum=2, "
-      "OpType=ALLTOALL_BASE, NumelIn=2, NumelOut=2, Timeout(ms)=3000) ran for 3", "(timed out in blocking wait)"]),
+     ["torch.distributed.DistBackendError: [PG ID 0 PG GUID 0(default_pg) Rank 0] Watchdog caught collective "
+      "operation timeout: WorkNCCL(SeqNum=2, OpType=ALLTOALL_BASE, NumelIn=2, NumelOut=2, Timeout(ms)=3000) ran for 3"]),
     # point-to-point: a receive nobody sends to
     ("dist.recv(t, 1) if rank == 0 else dist.send(t, 0)", ["--env", "TORCH_NCCL_BLOCKING_WAIT=1"], 1,
      ["OpType=RECV", "group rank(s) 1 never sent to this receive"]),

@@ -909,10 +909,10 @@ class ProcessGroupNCCL final : public c10d::Backend {
     failed_ = true;
     // The transport's message names the work (describe_work) and what went wrong.
     const bool take_down = timed_out && !blocking_wait_ && async_error_handling_ != 0;
-    std::string message = !timed_out ? log_prefix() + describe_work(r) + " failed: " + e.what_without_backtrace()
-                          : take_down ? log_prefix() + "Watchdog caught collective operation timeout: " +
-                                            e.what_without_backtrace()
-                                      : log_prefix() + e.what_without_backtrace() + " (timed out in blocking wait)";
+    // With blocking wait the caller gets the watchdog's own message (as WorkNCCL::wait raises it).
+    std::string message = timed_out ? log_prefix() + "Watchdog caught collective operation timeout: " +
+                                          e.what_without_backtrace()
+                                    : log_prefix() + describe_work(r) + " failed: " + e.what_without_backtrace();
     if (take_down) {
       std::ostringstream log;
       const std::time_t now = std::time(nullptr);
