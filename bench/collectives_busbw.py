@@ -7,11 +7,12 @@ message; send/recv pairs rank 2k with 2k+1, both directions at once). Both sides
 the same job, interleaved per size, so machine noise hits both alike; the figure that matters is
 the ratio emulated / gloo.
 
-The memory-bandwidth limit (all_reduce): every rank copies its S bytes into shared memory and
-the S-byte result out, so no shared-memory all_reduce can beat two memcpy of S per rank; with
-B the memcpy rate each rank reaches while all ranks copy at once (measured in the same job, on
-the same sizes), the limit is algbw = B / 2, i.e. busbw = B (n-1)/n. `limit_fraction` is the
-measured busbw over that limit.
+The memory-bandwidth limit (all_reduce): every byte of a rank's S-byte tensor must at least be
+read from memory once and its result written once, i.e. one memcpy of S per rank; with B the
+memcpy rate (bytes copied per second) each rank reaches while all ranks copy at once, measured
+in the same job on the same sizes, no all_reduce can beat algbw = B, i.e. busbw = 2B (n-1)/n.
+`limit_fraction` is the measured busbw over that limit. It means most for sizes far beyond the
+caches (64 MB and up), where B is the DRAM rate; for small sizes both sides run from cache.
 
     python bench/collectives_busbw.py [--collectives all_reduce ...] [--ranks 2 4 8] [--iters 5]
         [--env NCCL_SHM_DISABLE=1 ...]
@@ -103,7 +104,7 @@ def worker(collectives: list[str], iters: int) -> None:
                    "busbw_emulated_gbs": round(busbw["emulated"], 3), "busbw_gloo_gbs": round(busbw["gloo"], 3),
                    "ratio": round(busbw["emulated"] / busbw["gloo"], 3)}
             if collective == "all_reduce":
-                limit = memcpy_rate(numel) * (world - 1) / world / 1e9
+                limit = memcpy_rate(numel) * 2 * (world - 1) / world / 1e9
                 row["limit_busbw_gbs"] = round(limit, 3)
                 row["limit_fraction"] = round(busbw["emulated"] / limit, 3)
             rows.append(row)
