@@ -250,3 +250,12 @@ def test_destroying_a_group_fails_its_pending_point_to_point_operations(tmp_path
     result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", str(script), timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "OpType=RECV" in result.stdout and "destroyed or aborted while it was pending" in result.stdout
+
+
+def test_nccl_surface_library_code_meets():
+    """ProcessGroupNCCL and its Options, torch.cuda.nccl, _dump_nccl_trace, _hash_tensors,
+    profiler events, NCCL's refusal of CPU tensors."""
+    result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python",
+                    "tests/workloads/nccl_surface.py", timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[0] surface_ok" in result.stdout

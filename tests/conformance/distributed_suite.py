@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -57,6 +58,14 @@ class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
         torch.backends.cudnn.flags(enabled=True, allow_tf32=False).__enter__()
 
 
+def _reason(trace: str) -> str:
+    """The line of a failure's report that says what went wrong: the last exception line (the
+    suite re-raises a rank's failure with its traceback, then advice on reproducing it)."""
+    lines = [line.split("] ", 1)[-1].strip() for line in trace.splitlines()]
+    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|Failure)\b", line)]
+    return errors[-1] if errors else lines[-1]
+
+
 def _run(args: argparse.Namespace) -> int:
     names = unittest.TestLoader().getTestCaseNames(TestDistBackendWithSpawn)
     if args.k:
@@ -69,7 +78,7 @@ def _run(args: argparse.Namespace) -> int:
         outcomes = {n: {"outcome": "passed"} for n in names}
         for kind, entries in (("failed", result.failures), ("error", result.errors)):
             for test, trace in entries:
-                outcomes[test._testMethodName] = {"outcome": kind, "reason": trace.strip().splitlines()[-1]}
+                outcomes[test._testMethodName] = {"outcome": kind, "reason": _reason(trace)}
         for test, reason in result.skipped:
             outcomes[test._testMethodName] = {"outcome": "skipped", "reason": reason}
         with open(args.json, "w") as f:
