@@ -244,6 +244,26 @@ for fn in (broadcast, reduce, all_gather, all_gather_into_tensor, reduce_scatter
            all_to_all, all_to_all_single_uneven, gather, scatter, send_recv, isend_irecv_batch):
     both(fn.__name__, fn)
 
+# Work objects of async operations, as ProcessGroupNCCL's.
+t = torch.ones(8, device=dev)
+work = dist.all_reduce(t, async_op=True)
+assert work.wait(datetime.timedelta(seconds=30)) and work.is_completed() and work.is_success()
+assert work.exception() is None and work.result()[0].data_ptr() == t.data_ptr()
+assert work.get_future().wait()[0].device == dev and torch.equal(t, torch.full((8,), float(world), device=dev))
+checked.append("async work: wait with timeout, is_completed, is_success, exception, result, future")
+
+# Copies of float8 (NCCL moves them, does not reduce them) and complex tensors as real views.
+for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    t = torch.full((5,), float(rank + 1), device=dev).to(dtype)
+    dist.broadcast(t, src=1)
+    same(f"broadcast {dtype}", t.float(), torch.full((5,), 2.0))
+    parts = [torch.empty(5, device=dev, dtype=dtype) for _ in range(world)]
+    dist.all_gather(parts, t)
+    same(f"all_gather {dtype}", [p.float() for p in parts], [torch.full((5,), 2.0)] * world)
+z = torch.full((3,), complex(rank, 1), device=dev)
+dist.all_reduce(z)
+same("all_reduce complex", z, torch.full((3,), complex(sum(range(world)), world)))
+
 # Subgroups: even ranks and odd ranks, each over nccl.
 evens, odds = dist.new_group([0, 2]), dist.new_group([1, 3])
 mine = evens if rank % 2 == 0 else odds
