@@ -1147,8 +1147,8 @@ class ProcessGroupNCCL final : public c10d::Backend {
     const auto take_new = [&](std::vector<Transfer>& list) {
       std::lock_guard<std::mutex> g(mu_);
       // Destroying or aborting the group ends what is still pending, as ncclCommAbort does.
-      TORCH_CHECK_WITH(DistBackendError, !stopping_, "the process group was destroyed or aborted while this "
-                       "point-to-point operation was pending");
+      TORCH_CHECK_WITH(DistBackendError, !stopping_, "the process group was destroyed or aborted while it was "
+                       "pending");
       while (!queue_.empty()) {
         active.push_back(std::move(queue_.front()));
         queue_.pop_front();
