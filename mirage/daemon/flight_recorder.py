@@ -50,7 +50,6 @@ class FlightRecorder:
     locate: Callable[[int], str | None] = lambda rank: None  # a rank's current Python stack
     first_at: dict[tuple[str, bool, int], dict] = field(default_factory=dict)  # _key -> first rank's entry
     open_ops: dict[int, dict] = field(default_factory=dict)  # rank -> {_key: entry} not yet exited
-    inside: dict[int, dict] = field(default_factory=dict)  # rank -> the oldest entry it is waiting in
     last: dict[int, dict] = field(default_factory=dict)  # rank -> its last entry
     counts: dict[int, list[int]] = field(default_factory=dict)  # rank -> [collectives, bytes]
     failed: bool = False
@@ -67,12 +66,10 @@ class FlightRecorder:
             ops = self.open_ops.setdefault(rank, {})
             if entry.get("phase") == "exit":
                 ops.pop(_key(entry), None)
-                self._update_inside(rank)
                 return
             entry["t"] = time.monotonic()
             ops[_key(entry)] = entry
             self.last[rank] = entry
-            self._update_inside(rank)
             count = self.counts.setdefault(rank, [0, 0])
             count[0] += 1
             count[1] += int(entry.get("bytes", 0))
@@ -91,20 +88,12 @@ class FlightRecorder:
                         f"  rank {rank}: {describe(entry)}")
                     threading.Thread(target=self.on_failure, args=(report, DESYNC_EXIT_CODE), daemon=True).start()
 
-    def _update_inside(self, rank: int) -> None:
-        """The operation a rank has waited in longest (its collectives and its p2p worker's)."""
-        ops = self.open_ops.get(rank)
-        if ops:
-            self.inside[rank] = min(ops.values(), key=lambda e: e["t"])
-        else:
-            self.inside.pop(rank, None)
-
     def last_collective(self, rank: int | None) -> str | None:
         with self._lock:
             entry = self.last.get(rank) if rank is not None else None
         if entry is None:
             return None
-        state = "waiting in" if self.inside.get(rank) is entry else "done"
+        state = "waiting in" if any(e is entry for e in self.open_ops.get(rank, {}).values()) else "done"
         return (f"{state} #{entry['seq']} {entry['name']} (group '{entry['group']}')"
                 + (f" at {entry['callsite']}" if entry.get("callsite") else ""))
 
@@ -113,7 +102,9 @@ class FlightRecorder:
             time.sleep(min(1.0, max(self.hang_timeout / 4, 0.05)))
             now = time.monotonic()
             with self._lock:
-                stuck = {r: e for r, e in self.inside.items() if now - e["t"] > self.hang_timeout}
+                # per rank, the operation it has waited in longest (its collectives and its p2p worker's)
+                oldest_open = {r: min(ops.values(), key=lambda e: e["t"]) for r, ops in self.open_ops.items() if ops}
+                stuck = {r: e for r, e in oldest_open.items() if now - e["t"] > self.hang_timeout}
                 if not stuck or self.failed:
                     continue
                 self.failed = True

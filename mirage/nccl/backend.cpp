@@ -172,7 +172,7 @@ std::string python_call_site() {
 // Where flight-recorder lines go: the process's connection to its session (set from Python once
 // attached; -1 outside a session). One line per write, under one lock, so lines never interleave.
 std::mutex g_session_mu;
-int g_session_fd = -1;
+std::atomic<int> g_session_fd{-1};
 
 void tell_session(const std::string& line) {
   std::lock_guard<std::mutex> g(g_session_mu);
@@ -836,12 +836,13 @@ class ProcessGroupNCCL final : public c10d::Backend {
     const auto& any = !ins.empty() ? ins : outs;
     if (!any.empty()) r.dtype = dtype_name(any[0].scalar_type());
     r.created_ns = wall_ns();
-    r.call_site = python_call_site();
+    if (g_session_fd >= 0) r.call_site = python_call_site();  // only the session's recorder reads it
     return r;
   }
 
   // One line to the session's flight recorder (see mirage/daemon/flight_recorder.py).
   void record(const Record& r, bool entering) {
+    if (g_session_fd < 0) return;  // no session (--in-process): nobody to tell
     if (entering) {
       std::ostringstream line;
       line << "{\"op\": \"collective\", \"phase\": \"enter\", \"rank\": " << my_global_rank()
