@@ -109,7 +109,7 @@ class SharedTable:
         self._map.close()
         if remove:
             self.path.unlink(missing_ok=True)
-            # Collective segments (the shim's shm_collectives.cpp) are unlinked once mapped; one
+            # Collective segments (mirage/nccl/shm_transport.cpp) are unlinked once mapped; one
             # remains only if a rank died while its group was setting up.
             for segment in self.path.parent.glob(self.path.name + ".*"):
                 segment.unlink(missing_ok=True)
