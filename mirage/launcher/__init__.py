@@ -24,6 +24,7 @@ from pathlib import Path
 
 from mirage import profiles
 from mirage.launcher import environment
+from mirage.daemon import shared_table
 from mirage.daemon.flight_recorder import FlightRecorder
 from mirage.daemon.service import SessionService
 from mirage.launcher import summary
@@ -278,3 +279,7 @@ def run_session(request: RunRequest) -> int:
             if request.summary_json:
                 summary.write(report, request.summary_json)
         shutil.rmtree(session_dir, ignore_errors=True)
+        # Communicator segments a rank left mapped-by-one-side only (it died, or its peer never
+        # came): gone with the session, with or without a service (--in-process).
+        for segment in shared_table.SHM_DIR.glob(shared_table.shm_path(session_id).name + ".*"):
+            segment.unlink(missing_ok=True)

@@ -391,7 +391,9 @@ ShmCommunicator::Ring& ShmCommunicator::ring(int src, int dst, int channel) {
   TORCH_CHECK_WITH(DistBackendError, base, "emulated NCCL: could not map the point-to-point ring ", name,
                    " (is /dev/shm full? `df -h /dev/shm`)");
   entry = std::make_unique<Ring>(base, capacity + kPage);
-  if (std::atomic_ref<uint32_t>(*entry->mapped()).fetch_add(1) + 1 == 2) shm_unlink(name.c_str());
+  // Unlinked once both sides have it mapped (a rank's ring to itself has one side).
+  const uint32_t sides = src == dst ? 1 : 2;
+  if (std::atomic_ref<uint32_t>(*entry->mapped()).fetch_add(1) + 1 == sides) shm_unlink(name.c_str());
   return *entry;
 }
 

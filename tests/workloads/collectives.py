@@ -294,6 +294,12 @@ checked.append("get_backend == nccl")
 assert dist.group.WORLD._get_backend(dev).options._timeout == datetime.timedelta(minutes=10)
 checked.append("NCCL's default timeout")
 
+# A rank's batch to itself (its ring has one side) is unlinked as well.
+mine_out, mine_in = torch.full((3,), float(rank), device=dev), torch.empty(3, device=dev)
+for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine_out, rank), dist.P2POp(dist.irecv, mine_in, rank)]):
+    work.wait()
+same("batch send to itself", mine_in, torch.full((3,), float(rank)))
+
 # The shared-memory segments are unlinked as soon as every rank has mapped them.
 assert not glob.glob(os.environ["MIRAGE_SHM"] + ".*"), glob.glob(os.environ["MIRAGE_SHM"] + ".*")
 checked.append("no shared-memory segment left in /dev/shm")
