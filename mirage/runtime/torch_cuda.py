@@ -13,7 +13,7 @@ import os
 from types import ModuleType
 
 from mirage import profiles
-from mirage.runtime import distributed, visible_devices
+from mirage.runtime import autograd_threads, distributed, visible_devices
 
 # What a ROCm / CUDA build of torch 2.13 reports as its toolkit version.
 _HIP_VERSION = "7.0.51831-a3e329ad8"
@@ -236,4 +236,5 @@ def install(torch: ModuleType) -> None:
     cuda.Stream = cuda.streams.Stream = Stream
     cuda.Event = cuda.streams.Event = Event
 
+    autograd_threads.install(torch)
     distributed.install(torch)
