@@ -1,6 +1,7 @@
 """Emulated NCCL across emulated GPUs and nodes: collectives, DDP, the demo commands."""
 
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,8 @@ from conftest import REPO, mirage
 NCCL_ENV = ["--env", "NCCL_P2P_DISABLE=1", "--env", "NCCL_SHM_DISABLE=1", "--env", "NCCL_SOCKET_IFNAME=lo"]
 
 
-@pytest.mark.parametrize("transport", [[], NCCL_ENV], ids=["shared-memory", "sockets"])
+@pytest.mark.parametrize("transport", [[], ["--env", "NCCL_P2P_DISABLE=1"], NCCL_ENV],
+                         ids=["shared-memory", "shared-memory-without-p2p", "sockets"])
 def test_every_collective_on_device_tensors_equals_gloo_on_cpu(transport):
     result = mirage("run", "--nproc-per-node", "4", "--gpus-per-node", "4", *transport, "--",
                     "python", "tests/workloads/collectives.py")
@@ -24,7 +26,8 @@ def test_every_collective_on_device_tensors_equals_gloo_on_cpu(transport):
                  "all_reduce transposed refused as by NCCL", "NCCL's default timeout", "all_to_all_single_uneven",
                  "big_broadcast", "all_gather_into_tensor_in_place", "big_reduce_scatter_tensor_max",
                  "new_group broadcast",
-                 "isend_irecv_batch", "new_subgroups all_reduce", "reduce_scatter_tensor", "barrier"):
+                 "isend_irecv_batch", "new_subgroups all_reduce", "reduce_scatter_tensor", "barrier",
+                 "big_send_recv", "big_all_to_all_single", "big_isend_irecv_batch_with_self"):
         assert f"[0] ok {name}" in result.stdout
 
 
@@ -175,21 +178,24 @@ def test_collectives_that_do_not_match_end_the_session_naming_each_call(tmp_path
         assert text in result.stderr
 
 
-@pytest.mark.parametrize("collective, env, code, expected", [
+@pytest.mark.parametrize("collective, env, code, expected, expected_op", [
     # By default NCCL's watchdog takes the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING=3)...
     ("dist.all_reduce(t)", [], 134,
      ["[rank0]:[E", "Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=2, OpType=ALLREDUCE, "
       "NumelIn=2, NumelOut=2, Timeout(ms)=3000) ran for 3",
-      "group rank(s) 1 never reached it", "Rank 0] To avoid data inconsistency, we are taking the entire process down."]),
+      "group rank(s) 1 never reached it", "Rank 0] To avoid data inconsistency, we are taking the entire process down."],
+     "nccl:all_reduce"),
     # ... with TORCH_NCCL_BLOCKING_WAIT=1 the error is raised where the caller waits.
     ("dist.all_to_all_single(torch.empty_like(t), t)", ["--env", "TORCH_NCCL_BLOCKING_WAIT=1"], 1,
      ["torch.distributed.DistBackendError: [PG ID 0 PG GUID 0(default_pg) Rank 0] Watchdog caught collective "
-      "operation timeout: WorkNCCL(SeqNum=2, OpType=ALLTOALL_BASE, NumelIn=2, NumelOut=2, Timeout(ms)=3000) ran for 3"]),
+      "operation timeout: WorkNCCL(SeqNum=2, OpType=ALLTOALL_BASE, NumelIn=2, NumelOut=2, Timeout(ms)=3000) ran for 3"],
+     "nccl:all_to_all"),
     # point-to-point: a receive nobody sends to
     ("dist.recv(t, 1) if rank == 0 else dist.send(t, 0)", ["--env", "TORCH_NCCL_BLOCKING_WAIT=1"], 1,
-     ["OpType=RECV", "group rank(s) 1 never sent to this receive"]),
+     ["OpType=RECV", "group rank(s) 1 never sent to this receive"], "nccl:recv 0<-1"),
 ])
-def test_an_operation_no_peer_matches_fails_at_the_timeout_as_with_nccl(tmp_path, collective, env, code, expected):
+def test_an_operation_no_peer_matches_fails_at_the_timeout_as_with_nccl(tmp_path, collective, env, code, expected,
+                                                                        expected_op):
     script = tmp_path / "hang.py"
     script.write_text(
         "import datetime, os, time, torch, torch.distributed as dist\n"
@@ -197,11 +203,18 @@ def test_an_operation_no_peer_matches_fails_at_the_timeout_as_with_nccl(tmp_path
         "dist.init_process_group('nccl', timeout=datetime.timedelta(seconds=3))\n"
         f"t = torch.ones(2, device='cuda')\n{collective}\n"
         f"if rank == 0: {collective}\nelse: time.sleep(600)\n")
-    result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", *env, "--", "python", str(script),
+    dump_prefix = tmp_path / "fr_trace_rank_"
+    result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", *env,
+                    "--env", f"TORCH_NCCL_DEBUG_INFO_TEMP_FILE={dump_prefix}", "--", "python", str(script),
                     timeout=120)
     assert result.returncode == code, result.stderr[-3000:]
     for text in expected:
         assert text in result.stderr
+    # TORCH_NCCL_DUMP_ON_TIMEOUT is on by default: the flight recorder, as torch's fr_trace reads it
+    trace = pickle.loads(Path(f"{dump_prefix}0").read_bytes())
+    assert trace["version"] == "2.10"
+    assert trace["entries"][-1]["state"] != "completed"
+    assert trace["entries"][-1]["profiling_name"] == expected_op
 
 
 @pytest.mark.slow
@@ -259,3 +272,20 @@ def test_nccl_surface_library_code_meets():
                     "tests/workloads/nccl_surface.py", timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[0] surface_ok" in result.stdout
+
+
+@pytest.mark.parametrize("numel", [10, 1_000_000], ids=["through-the-ring", "direct-read"])
+def test_a_receive_that_matches_a_send_of_another_size_fails_and_the_sender_goes_on(tmp_path, numel):
+    script = tmp_path / "sizes.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('nccl'); rank = dist.get_rank(); torch.cuda.set_device(rank)\n"
+        f"if rank == 0:\n    dist.send(torch.ones({numel}, device='cuda'), 1); print('sender done')\n"
+        f"else:\n    try:\n        dist.recv(torch.zeros({numel} + 1, device='cuda'), 0)\n"
+        "    except dist.DistBackendError as error:\n        print('refused:', error)\n"
+        "dist.destroy_process_group()\n")
+    result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", str(script), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[0] sender done" in result.stdout
+    assert (f"a receive of {4 * (numel + 1)} bytes from group rank 0 matched a send of {4 * numel} bytes"
+            in result.stdout)

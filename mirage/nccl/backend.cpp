@@ -21,7 +21,9 @@
 #include "transport.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/FlightRecorder.hpp>
 #include <torch/csrc/distributed/c10d/ParamCommsUtils.hpp>
+#include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/extension.h>
 
 #include <sys/socket.h>
@@ -223,6 +225,8 @@ TraceBuffer& trace() {
   static auto* buffer = new TraceBuffer();
   return *buffer;
 }
+constexpr const char* kTraceVersion = "2.10";  // ProcessGroupNCCL's flight recorder format
+std::string trace_pickle(bool include_collectives, bool only_active);
 
 const char* op_type_name(OpType t) {
   switch (t) {
@@ -398,7 +402,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
     // turned off; so does the emulation.
     comm_ = env_flag("NCCL_SHM_DISABLE", false) && env_flag("NCCL_P2P_DISABLE", false)
                 ? connect_sockets(store_, rank, size, options_->timeout)
-                : connect_shared_memory(store_, rank, size);
+                : connect_shared_memory(store_, rank, size, !env_flag("NCCL_P2P_DISABLE", false));
     TORCH_CHECK_WITH(DistBackendError, comm_, library(), " error: the emulated ", library(),
                      " runs inside a mirage session only (mirage run -- ...): no MIRAGE_SESSION, or /dev/shm "
                      "has no room for the communicator (`df -h /dev/shm`; NCCL_SHM_DISABLE=1 NCCL_P2P_DISABLE=1 "
@@ -914,6 +918,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
     std::string message = timed_out ? log_prefix() + "Watchdog caught collective operation timeout: " +
                                           e.what_without_backtrace()
                                     : log_prefix() + describe_work(r) + " failed: " + e.what_without_backtrace();
+    if (timed_out) dump_trace_once();
     if (take_down) {
       std::ostringstream log;
       const std::time_t now = std::time(nullptr);
@@ -926,6 +931,16 @@ class ProcessGroupNCCL final : public c10d::Backend {
       std::abort();
     }
     return std::make_exception_ptr(c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, __LINE__}, message));
+  }
+
+  // TORCH_NCCL_DUMP_ON_TIMEOUT (on by default, with a trace buffer): the first timeout of the
+  // process writes the flight recorder, pickled, where ProcessGroupNCCL's writes it (torch's
+  // own DebugInfoWriter: TORCH_FR_DUMP_TEMP_FILE / TORCH_NCCL_DEBUG_INFO_TEMP_FILE, else
+  // ~/.cache/torch/comm_lib_trace_rank_<global rank>), for torch's fr_trace analyser.
+  void dump_trace_once() {
+    static std::atomic<bool> dumped{false};
+    if (!env_flag("TORCH_NCCL_DUMP_ON_TIMEOUT", true) || trace().capacity == 0 || dumped.exchange(true)) return;
+    c10d::DebugInfoWriter::getWriter(my_global_rank()).write(trace_pickle(true, false));
   }
 
   std::tuple<std::string, std::string> profiler_group() const { return {group_name(), getGroupDesc()}; }
@@ -1232,38 +1247,60 @@ class ProcessGroupNCCL final : public c10d::Backend {
   std::thread worker_;
 };
 
-// The process's recent operations as JSON, for _dump_nccl_trace (built into NCCL's pickle in Python).
-std::string trace_json(bool only_active) {
-  TraceBuffer& buffer = trace();
-  std::lock_guard<std::mutex> g(buffer.mu);
-  std::ostringstream out;
-  out << "[";
-  const char* sep = "";
-  for (const auto& [group, r] : buffer.entries) {
-    if (only_active && r.state == "completed") continue;
-    const auto sizes = [&](const std::vector<std::vector<int64_t>>& list) {
-      std::ostringstream s;
-      s << "[";
-      for (size_t i = 0; i < list.size(); ++i) {
-        s << (i ? ", " : "") << "[";
-        for (size_t j = 0; j < list[i].size(); ++j) s << (j ? ", " : "") << list[i][j];
-        s << "]";
-      }
-      s << "]";
-      return s.str();
-    };
-    out << sep << "{\"record_id\": " << r.id << ", \"group\": " << json_string(group)
-        << ", \"seq\": " << r.seq << ", \"p2p\": " << (r.p2p ? "true" : "false")
-        << ", \"profiling_name\": " << json_string(r.profiling) << ", \"time_created_ns\": " << r.created_ns
-        << ", \"time_started_ns\": " << r.started_ns << ", \"time_completed_ns\": " << r.completed_ns
-        << ", \"input_sizes\": " << sizes(r.input_sizes) << ", \"output_sizes\": " << sizes(r.output_sizes)
-        << ", \"dtype\": " << json_string(r.dtype) << ", \"state\": " << json_string(r.state)
-        << ", \"timeout_ms\": " << r.timeout.count() << "}";
-    sep = ", ";
+namespace {
+// The process's recent operations as ProcessGroupNCCL's flight recorder dump (its keys and
+// version; pickled as torch pickles it), for _dump_nccl_trace and the dump on timeout.
+std::string trace_pickle(bool include_collectives, bool only_active) {
+  const auto new_dict = [] { return c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get()); };
+  const auto sizes = [](const std::vector<std::vector<int64_t>>& list) {
+    c10::List<c10::List<int64_t>> out;
+    for (const auto& shape : list) out.push_back(c10::List<int64_t>(shape));
+    return out;
+  };
+  const auto dtypes = [](const Record& r, size_t n) {
+    return c10::List<std::string>(std::vector<std::string>(n, r.dtype));
+  };
+  const auto time_or_none = [](int64_t ns) { return ns ? c10::IValue(ns) : c10::IValue(); };
+  c10::impl::GenericList entries(c10::AnyType::get());
+  if (include_collectives) {
+    TraceBuffer& buffer = trace();
+    std::lock_guard<std::mutex> g(buffer.mu);
+    for (const auto& [group, r] : buffer.entries) {
+      if (only_active && r.state == "completed") continue;
+      auto e = new_dict();
+      e.insert("record_id", static_cast<int64_t>(r.id));
+      e.insert("pg_id", int64_t{0});
+      e.insert("process_group", c10::ivalue::Tuple::create(group, std::string()));
+      e.insert("collective_seq_id", static_cast<int64_t>(r.p2p ? 0 : r.seq));
+      e.insert("p2p_seq_id", static_cast<int64_t>(r.p2p ? r.seq : 0));
+      e.insert("op_id", static_cast<int64_t>(r.seq));
+      e.insert("profiling_name", r.profiling);
+      e.insert("time_created_ns", r.created_ns);
+      e.insert("time_discovered_started_ns", time_or_none(r.started_ns));
+      e.insert("time_discovered_completed_ns", time_or_none(r.completed_ns));
+      e.insert("duration_ms", r.started_ns && r.completed_ns ? c10::IValue((r.completed_ns - r.started_ns) / 1e6)
+                                                             : c10::IValue());
+      e.insert("input_sizes", sizes(r.input_sizes));
+      e.insert("input_dtypes", dtypes(r, r.input_sizes.size()));
+      e.insert("output_sizes", sizes(r.output_sizes));
+      e.insert("output_dtypes", dtypes(r, r.output_sizes.size()));
+      e.insert("state", r.state);
+      e.insert("timeout_ms", static_cast<int64_t>(r.timeout.count()));
+      e.insert("is_p2p", r.p2p);
+      e.insert("retired", r.state == "completed");
+      e.insert("frames", c10::impl::GenericList(c10::AnyType::get()));
+      entries.push_back(e);
+    }
   }
-  out << "]";
-  return out.str();
+  auto dump = new_dict();
+  dump.insert("version", std::string(kTraceVersion));
+  dump.insert("entries", entries);
+  dump.insert("pg_config", new_dict());
+  dump.insert("pg_status", new_dict());
+  const std::vector<char> bytes = torch::jit::pickle(dump);
+  return std::string(bytes.begin(), bytes.end());
 }
+}  // namespace
 
 }  // namespace mirage::nccl
 
@@ -1362,5 +1399,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return c10::make_intrusive<mirage::nccl::GlooOnDevice>(gloo);
       }));
   m.def("_set_session_fd", &ProcessGroupNCCL::set_session_fd);
-  m.def("_trace_json", &mirage::nccl::trace_json, py::arg("only_active") = false);
+  m.def("_trace_pickle", [](bool include_collectives, bool only_active) {
+    return py::bytes(mirage::nccl::trace_pickle(include_collectives, only_active));
+  }, py::arg("include_collectives") = true, py::arg("only_active") = false);
 }

@@ -39,7 +39,6 @@ _NCCL_DEFAULT_TIMEOUT = timedelta(minutes=10)  # torch's default_pg_nccl_timeout
 # ship, and the RCCL of its ROCm wheels (RCCL reports the NCCL API version it implements).
 _NCCL_VERSION = (2, 27, 5)
 _RCCL_VERSION = (2, 26, 6)
-_TRACE_VERSION = "2.10"  # ProcessGroupNCCL's flight recorder format
 
 
 def _load_backend_module() -> ModuleType:
@@ -73,26 +72,6 @@ def _hash_tensors(tensors) -> int:
         host = tensor.detach().contiguous().view(-1).view(torch.uint8).cpu()
         digest.update(ctypes.string_at(host.data_ptr(), host.numel()))
     return int.from_bytes(digest.digest(), "little")
-
-
-def _trace_dict(module: ModuleType, include_collectives: bool, only_active: bool) -> dict:
-    """The process's recent NCCL operations, shaped as ProcessGroupNCCL's flight recorder dump."""
-    entries = []
-    for record in json.loads(module._trace_json(only_active)) if include_collectives else []:
-        started, completed = record["time_started_ns"], record["time_completed_ns"]
-        entries.append({
-            "record_id": record["record_id"], "pg_id": 0, "process_group": (record["group"], ""),
-            "collective_seq_id": 0 if record["p2p"] else record["seq"], "p2p_seq_id": record["seq"] if record["p2p"] else 0,
-            "op_id": record["seq"], "profiling_name": record["profiling_name"],
-            "time_created_ns": record["time_created_ns"], "time_discovered_started_ns": started or None,
-            "time_discovered_completed_ns": completed or None,
-            "duration_ms": (completed - started) / 1e6 if completed and started else None,
-            "input_sizes": record["input_sizes"], "input_dtypes": [record["dtype"]] * len(record["input_sizes"]),
-            "output_sizes": record["output_sizes"], "output_dtypes": [record["dtype"]] * len(record["output_sizes"]),
-            "state": record["state"], "timeout_ms": record["timeout_ms"], "is_p2p": record["p2p"],
-            "retired": record["state"] == "completed", "frames": [],
-        })
-    return {"version": _TRACE_VERSION, "entries": entries, "pg_config": {}, "pg_status": {}}
 
 
 def _add_single_process_nccl(torch: ModuleType) -> None:
@@ -147,10 +126,10 @@ def _add_nccl_build_functions(torch: ModuleType, module: ModuleType, is_amd: boo
 
     def dump_nccl_trace(includeCollectives: bool = True, includeStackTraces: bool = True,
                         onlyActive: bool = False) -> bytes:
-        return pickle.dumps(_trace_dict(module, includeCollectives, onlyActive))
+        return module._trace_pickle(includeCollectives, onlyActive)
 
     def dump_nccl_trace_json(includeCollectives: bool = True, onlyActive: bool = False) -> str:
-        return json.dumps(_trace_dict(module, includeCollectives, onlyActive))
+        return json.dumps(pickle.loads(module._trace_pickle(includeCollectives, onlyActive)))
 
     c10d_bindings._dump_nccl_trace = dump_nccl_trace
     c10d_bindings._dump_nccl_trace_json = dump_nccl_trace_json

@@ -222,8 +222,10 @@ def scatter(make, group):
     return out
 
 
-def send_recv(make, group):
-    t = make(data())
+def send_recv(make, group, shape=(6,)):
+    """Even ranks send to the next odd one; large shapes take the shared-memory transport's
+    direct reads (unless NCCL_P2P_DISABLE)."""
+    t = make(data(shape, seed=14))
     if rank % 2 == 0:
         dist.send(t, dst=rank + 1, group=group)
     else:
@@ -240,8 +242,33 @@ def isend_irecv_batch(make, group):
     return recv
 
 
+def big_send_recv(make, group):
+    return send_recv(make, group, (300_007,))
+
+
+def big_all_to_all_single(make, group):
+    out = make(torch.zeros(world * 90_001))
+    dist.all_to_all_single(out, make(data((world * 90_001,), seed=15)), group=group)
+    return out
+
+
+def big_isend_irecv_batch_with_self(make, group):
+    """NCCL lets a batch send to its own rank (gloo, the reference, does not)."""
+    send, recv, mine = make(data((200_003,), seed=16)), make(torch.zeros(200_003)), make(torch.zeros(200_003))
+    ops = [dist.P2POp(dist.isend, send, (rank + 1) % world, group=group),
+           dist.P2POp(dist.irecv, recv, (rank - 1) % world, group=group)]
+    to_self = group is None
+    if to_self:
+        ops += [dist.P2POp(dist.isend, send, rank), dist.P2POp(dist.irecv, mine, rank)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    assert not to_self or torch.equal(mine, send)
+    return recv
+
+
 for fn in (broadcast, reduce, all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor,
-           all_to_all, all_to_all_single_uneven, gather, scatter, send_recv, isend_irecv_batch):
+           all_to_all, all_to_all_single_uneven, gather, scatter, send_recv, isend_irecv_batch, big_send_recv,
+           big_all_to_all_single, big_isend_irecv_batch_with_self):
     both(fn.__name__, fn)
 
 # Work objects of async operations, as ProcessGroupNCCL's.

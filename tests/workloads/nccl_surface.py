@@ -1,4 +1,5 @@
 """NCCL's surface where library code meets it, on 2 ranks: prints `surface_ok` on rank 0."""
+import json
 import os
 import pickle
 
@@ -26,6 +27,7 @@ names = [e["profiling_name"] for e in trace["entries"]]
 assert names[-2:] == ["nccl:all_reduce", "nccl:broadcast"], names
 assert all(e["state"] == "completed" for e in trace["entries"]), trace["entries"]
 assert trace["entries"][-1]["collective_seq_id"] == trace["entries"][-2]["collective_seq_id"] + 1
+assert json.loads(torch._C._distributed_c10d._dump_nccl_trace_json())["entries"][-1]["profiling_name"] == "nccl:broadcast"
 
 same = torch._C._distributed_c10d._hash_tensors([t])
 hashes = [None, None]
