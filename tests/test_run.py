@@ -20,6 +20,8 @@ from conftest import REPO, mirage
     (["python", "train.py"], "put `--` before the command"),
     (["--profil", "h100", "--", "python"], "did you mean --profile?"),
     (["--env", "NOEQUALS", "--", "python"], "is not KEY=VALUE"),
+    (["--hang-timeout", "-5", "--", "python"], "--hang-timeout -5 must be a positive number of seconds"),
+    (["--hang-timeout", "0", "--", "python"], "--hang-timeout 0 must be a positive number of seconds"),
 ])
 def test_usage_errors_exit_2_with_one_clear_line(args, message):
     result = mirage("run", *args)

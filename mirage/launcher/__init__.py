@@ -120,6 +120,9 @@ def validate(request: RunRequest) -> tuple[profiles.Profile, int]:
         raise UsageError(f"--num-nodes {request.num_nodes} is out of range; use 1 to {MAX_NODES}")
     if request.nproc_per_node is not None and not 1 <= request.nproc_per_node <= MAX_GPUS_PER_NODE:
         raise UsageError(f"--nproc-per-node {request.nproc_per_node} is out of range; use 1 to {MAX_GPUS_PER_NODE}")
+    if not request.hang_timeout > 0:  # also refuses nan
+        raise UsageError(f"--hang-timeout {request.hang_timeout:g} must be a positive number of seconds "
+                         "(e.g. --hang-timeout 600)")
     if request.workdir and not Path(request.workdir).is_dir():
         raise UsageError(f"--workdir {request.workdir} is not a directory")
     try:
