@@ -53,6 +53,7 @@ def test_dist_smoke_on_two_nodes_logs_devices_and_reduces():
                     "--env", "NCCL_DEBUG=INFO", "--", "python3", "tests/fixtures/ml/dist_smoke.py")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[rank 1] current device = 1 (cuda:1)" in result.stdout
+    assert "[rank 0] post all_reduce: tensor = 3.0" in result.stdout
     assert "[0] dist_smoke_ok" in result.stdout
     init_lines = [line for line in result.stderr.splitlines() if "RCCL INFO" in line]
     assert len(init_lines) == 2 and "nRanks 2" in init_lines[0] and "profile mi350x" in init_lines[0]
