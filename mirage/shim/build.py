@@ -3,7 +3,7 @@ shim (this folder; a plain library loaded before `import torch`) and the emulate
 (mirage/nccl; a Python extension module, loaded once torch is imported, next to the shim).
 
 The cache key covers both parts' sources, this builder (its compiler flags), the torch version and
-the Python version, so a change to any of them rebuilds. Building imports torch, which must happen in a process where the shim is
+installation directory, and the Python version, so a change to any of them rebuilds. Building imports torch, which must happen in a process where the shim is
 NOT being loaded; the launcher therefore runs this module as `python -m mirage.shim.build` in a
 clean subprocess and reads the library path from its stdout. Concurrent builders serialise on a
 file lock, so two `mirage run`s started together build once.
@@ -44,7 +44,11 @@ def _key(sources: list[Path]) -> str:
     key = hashlib.sha256()
     for source in sources + [Path(__file__)]:  # the code and how it is compiled
         key.update(source.read_bytes())
-    key.update(importlib.metadata.version("torch").encode())
+    torch = importlib.metadata.distribution("torch")
+    key.update(torch.version.encode())
+    # Where torch is installed too: the libraries link to that installation's libtorch, so two
+    # environments with the same torch version must not share them.
+    key.update(str(Path(torch.locate_file("torch")).resolve()).encode())
     key.update(sys.version.encode())
     return key.hexdigest()[:16]
 
