@@ -127,3 +127,20 @@ def test_third_signal_kills_outright():
         time.sleep(0.3)
     assert proc.wait(timeout=30) == 128 + signal.SIGKILL
     assert "a third time: killing the workload" in proc.stderr.read()
+
+
+@pytest.mark.parametrize("streams", ["2>/dev/null", "2>&1"], ids=["stdout", "stdout-and-stderr"])
+def test_a_reader_that_goes_away_ends_the_job_as_a_broken_pipe_ends_a_pipeline(tmp_path, streams):
+    chatty = "import time\nfor i in range(100000):\n    print('line', i, flush=True)\n    time.sleep(0.001)\n"
+    (tmp_path / "chatty.py").write_text(chatty)
+    (tmp_path / "xdg").mkdir()
+    runtime = tmp_path / "xdg" / "mirage"  # where the run keeps its session directory
+    command = (f"{sys.executable} -m mirage run --nproc-per-node 2 --gpus-per-node 2 -- python {tmp_path}/chatty.py "
+               f"{streams} | head -1; exit ${{PIPESTATUS[0]}}")
+    result = subprocess.run(["bash", "-c", command], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, XDG_RUNTIME_DIR=str(tmp_path / "xdg")))
+    assert result.returncode == 128 + signal.SIGPIPE, result.stderr
+    assert len(result.stdout.splitlines()) == 1
+    assert list(runtime.iterdir()) == []  # the session's directory was removed: teardown ran
+    leftovers = subprocess.run(["pgrep", "-f", f"{tmp_path}/chatty.py"], capture_output=True, text=True).stdout
+    assert leftovers == ""

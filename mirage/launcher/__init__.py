@@ -28,7 +28,7 @@ from mirage.daemon import shared_table
 from mirage.daemon.flight_recorder import FlightRecorder
 from mirage.daemon.service import SessionService
 from mirage.launcher import summary
-from mirage.launcher.supervisor import Supervisor, stdin_has_input
+from mirage.launcher.supervisor import Supervisor, stdin_has_input, write_or_discard
 from mirage.runtime import visible_devices
 from mirage.shim import build as shim_build
 
@@ -47,7 +47,7 @@ class LaunchError(Exception):
 
 def narrate(message: str) -> None:
     """Progress and warnings go to stderr, never stdout (the workload owns stdout)."""
-    print(f"mirage: {message}", file=sys.stderr, flush=True)
+    write_or_discard(sys.stderr, f"mirage: {message}\n".encode())
 
 
 @dataclass
@@ -281,7 +281,7 @@ def run_session(request: RunRequest) -> int:
             service.stop()
             report = summary.build(service, supervisor.exit_codes, exit_code)
             if not request.quiet:
-                print(summary.render(report), file=sys.stderr, flush=True)
+                write_or_discard(sys.stderr, (summary.render(report) + "\n").encode())
             if request.summary_json:
                 summary.write(report, request.summary_json)
         shutil.rmtree(session_dir, ignore_errors=True)

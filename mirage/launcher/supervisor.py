@@ -85,13 +85,17 @@ class Supervisor:
         return child
 
     def _pump(self, pipe, sink, prefix: bytes) -> None:
-        """Copies one child's stream to ours a line at a time, each line prefixed."""
+        """Copies one child's stream to ours a line at a time, each line prefixed. When the
+        reader of ours goes away (`mirage run ... | head -1`), the job ends as a pipeline does
+        on SIGPIPE: the workload is stopped, teardown runs, and mirage exits 141."""
         for line in iter(lambda: pipe.readline(LINE_LIMIT), b""):
             if not line.endswith(b"\n"):
                 line += b"\n"
             with self._output_lock:
-                sink.buffer.write(prefix + line)
-                sink.flush()
+                if not write_or_discard(sink, prefix + line) and self.forced_exit_code is None:
+                    self.narrate("the reader of the workload's output went away (broken pipe); "
+                                 "stopping the workload")
+                    self.abort(128 + signal.SIGPIPE)
         pipe.close()
 
     def wait(self) -> int:
@@ -180,6 +184,20 @@ class Supervisor:
     def _on_forwarded_signal(self, signum: int, _frame) -> None:
         self.narrate(f"forwarding {signal.Signals(signum).name} to the workload")
         self.signal_all(signum)
+
+
+def write_or_discard(stream, data: bytes) -> bool:
+    """Writes and flushes; False if the stream's reader is gone, which from then on points the
+    stream at /dev/null, so later writes (and Python's flush at exit) succeed and go nowhere."""
+    try:
+        stream.buffer.write(data)
+        stream.flush()
+        return True
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+        return False
 
 
 def stdin_has_input() -> bool:
