@@ -210,9 +210,6 @@ def run_session(request: RunRequest) -> int:
             "MIRAGE_NCCL_PATH": str(shim_build.nccl_module_path()),
             "MIRAGE_PROFILE": str(profile.path),
             "MIRAGE_NUM_GPUS": str(gpus),
-            # The session's processes descend from this one; the emulated NCCL lets them read
-            # each other's memory (its P2P transport) where Yama restricts that to a named process.
-            "MIRAGE_LAUNCHER_PID": str(os.getpid()),
             # Every emulated node is on loopback (gloo groups a user asks for included).
             "GLOO_SOCKET_IFNAME": "lo",
             # Scratch (torchrun's error files, tempfile) lives and dies with the session.

@@ -402,7 +402,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
     // turned off; so does the emulation.
     comm_ = env_flag("NCCL_SHM_DISABLE", false) && env_flag("NCCL_P2P_DISABLE", false)
                 ? connect_sockets(store_, rank, size, options_->timeout)
-                : connect_shared_memory(store_, rank, size, !env_flag("NCCL_P2P_DISABLE", false));
+                : connect_shared_memory(store_, rank, size);
     TORCH_CHECK_WITH(DistBackendError, comm_, library(), " error: the emulated ", library(),
                      " runs inside a mirage session only (mirage run -- ...): no MIRAGE_SESSION, or /dev/shm "
                      "has no room for the communicator (`df -h /dev/shm`; NCCL_SHM_DISABLE=1 NCCL_P2P_DISABLE=1 "

@@ -30,12 +30,8 @@
 #include <linux/futex.h>
 #include <sched.h>
 #include <sys/mman.h>
-#include <sys/prctl.h>
 #include <sys/syscall.h>
-#include <sys/uio.h>
 #include <unistd.h>
-
-#include <cerrno>
 
 #include <algorithm>
 #include <atomic>
@@ -59,37 +55,6 @@ constexpr size_t kSlotBytes = size_t{128} << 10;
 constexpr size_t kSmallChunkBytes = size_t{64} << 10;  // below this every rank reduces it all
 constexpr size_t kPage = 4096;
 constexpr int kChannels = 2;
-// From this size a message or broadcast is copied once, straight from the sender's memory
-// (process_vm_readv), instead of into shared memory and out again. Below it, the ring's two
-// copies cost less than the system call and the wake-up it needs.
-constexpr size_t kDirectMinBytes = size_t{256} << 10;
-
-// What each rank tells its peers, in the group segment: where to read it from.
-struct alignas(64) Peer {
-  int64_t pid;
-  uint64_t probe;      // the address of a word that holds kProbeValue in that process
-  uint64_t source;     // broadcast from this rank: the address of its data
-  uint32_t can_read;   // this rank could read every peer's probe
-};
-constexpr uint64_t kProbeValue = 0x6d6972616765ULL;  // "mirage"
-const uint64_t g_probe = kProbeValue;
-
-// Copies `bytes` from `address` in process `pid` into `to`; false where the kernel refuses
-// (another user, ptrace restrictions, a seccomp filter without process_vm_readv).
-bool read_process(int64_t pid, uint64_t address, char* to, size_t bytes) {
-  while (bytes) {
-    iovec local{to, bytes}, remote{reinterpret_cast<void*>(address), bytes};
-    const ssize_t n = process_vm_readv(static_cast<pid_t>(pid), &local, 1, &remote, 1, 0);
-    if (n <= 0) {
-      if (n < 0 && errno == EINTR) continue;
-      return false;
-    }
-    to += n;
-    address += static_cast<uint64_t>(n);
-    bytes -= static_cast<size_t>(n);
-  }
-  return true;
-}
 
 using Op = c10d::ReduceOp::RedOpType;
 
@@ -142,8 +107,7 @@ void* map_named(const std::string& name, size_t bytes, bool create, bool reserve
 
 size_t calls_offset(int size) { return 128 + 8 * static_cast<size_t>(size); }
 size_t doorbells_offset(int size) { return calls_offset(size) + 2 * sizeof(Call) * static_cast<size_t>(size); }
-size_t peers_offset(int size) { return doorbells_offset(size) + 64 * static_cast<size_t>(size); }
-size_t data_offset(int size) { return (peers_offset(size) + sizeof(Peer) * static_cast<size_t>(size) + kPage - 1) / kPage * kPage; }
+size_t data_offset(int size) { return (doorbells_offset(size) + 64 * static_cast<size_t>(size) + kPage - 1) / kPage * kPage; }
 size_t segment_bytes(int size) { return data_offset(size) + 2 * static_cast<size_t>(size) * kSlotBytes; }
 
 }  // namespace
@@ -153,10 +117,7 @@ class ShmCommunicator final : public Communicator {
  public:
   ShmCommunicator(void* base, size_t bytes, int rank, int size, std::string instance);
   ~ShmCommunicator() override;
-  const char* transport() const override { return direct_ ? "shared memory, direct reads (P2P)" : "shared memory (SHM)"; }
-  // Decides, with every rank, whether large messages go straight from one rank's memory to
-  // another's: only if every rank may read every peer (and `allowed`: NCCL_P2P_DISABLE unset).
-  void probe_direct_reads(bool allowed, const Timing& timing);
+  const char* transport() const override { return "shared memory"; }
 
   void all_reduce(char* data, int64_t numel, at::ScalarType dtype, const Reduction& reduction,
                   const Timing& timing) override;
@@ -179,11 +140,6 @@ class ShmCommunicator final : public Communicator {
   uint64_t* entered(int r) const;
   uint32_t* doorbell(int r) const;
   Call* call(int buffer, int r) const;
-  Peer* peer(int r) const;
-  // Copies `bytes` at `address` in rank `r`'s memory into `to`.
-  void read_from(int r, uint64_t address, char* to, size_t bytes, const std::string& what);
-  // One step of a large message sent by direct read; how many bytes of it moved (0: none).
-  size_t step_direct(Transfer& t, Ring& ring, const std::string& what);
   char* slot(int buffer, int r) const;
   int next_buffer() { return static_cast<int>(chunks_++ & 1); }
   void barrier(const Timing& timing);
@@ -196,23 +152,21 @@ class ShmCommunicator final : public Communicator {
   char* base_;
   size_t bytes_;
   bool spin_;
-  bool direct_ = false;  // large messages and broadcasts by direct reads (probe_direct_reads)
   uint64_t chunks_ = 0, barriers_ = 0;
   std::vector<std::unique_ptr<Ring>> rings_;  // [channel][src][dst], mapped on first use
 };
 
 // One ordered pair's ring: [head (bytes written, by the producer) | tail (bytes read, by the
-// consumer) | mapped (how many sides mapped it) | acked (direct reads done)] then the data. A
-// message is its length, then its bytes, or from kDirectMinBytes with direct reads, the address
-// of its bytes in the producer, which the consumer copies from and then acknowledges.
+// consumer) | mapped (how many sides mapped it) | refused (a size mismatch)] then the data.
 struct ShmCommunicator::Ring {
   Ring(void* base, size_t bytes) : base(static_cast<char*>(base)), capacity(bytes - kPage) {}
   ~Ring() { munmap(base, capacity + kPage); }
   std::atomic_ref<uint64_t> head() const { return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(base)); }
   std::atomic_ref<uint64_t> tail() const { return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(base + 64)); }
   uint32_t* mapped() const { return reinterpret_cast<uint32_t*>(base + 128); }
-  // Direct-read messages the consumer has copied; the producer's own count is direct_sent.
-  std::atomic_ref<uint64_t> acked() const { return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(base + 192)); }
+  // Set by the consumer when a message's length differs from what it expected: the producer
+  // then fails too, instead of waiting for room that will never come.
+  std::atomic_ref<uint32_t> refused() const { return std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(base + 192)); }
   char* data() const { return base + kPage; }
 
   // Copies up to `n` bytes in (producer) or out (consumer); returns how many moved.
@@ -243,7 +197,6 @@ struct ShmCommunicator::Ring {
 
   char* base;
   size_t capacity;
-  uint64_t direct_sent = 0;  // producer side: direct-read messages announced on this ring
 };
 
 ShmCommunicator::ShmCommunicator(void* base, size_t bytes, int rank, int size, std::string instance)
@@ -255,8 +208,7 @@ ShmCommunicator::~ShmCommunicator() {
   munmap(base_, bytes_);
 }
 
-std::unique_ptr<Communicator> connect_shared_memory(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                                    bool direct_reads) {
+std::unique_ptr<Communicator> connect_shared_memory(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size) {
   const std::string prefix = session_prefix();
   if (prefix.empty()) return nullptr;
   std::string name;
@@ -280,52 +232,13 @@ std::unique_ptr<Communicator> connect_shared_memory(const c10::intrusive_ptr<c10
   if (store->add("mirage/mapped", 1) == size) shm_unlink(name.c_str());  // every rank has it now
   TORCH_CHECK_WITH(DistBackendError, base, "emulated NCCL: could not map the communicator's shared memory ", name,
                    " (is /dev/shm full? `df -h /dev/shm`)");
-  auto comm = std::make_unique<ShmCommunicator>(base, segment_bytes(size), rank, size, name.substr(name.rfind('-') + 1));
-  const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(store->getTimeout());
-  comm->probe_direct_reads(direct_reads, Timing{Clock::now() + timeout, timeout, "connecting the communicator"});
-  return comm;
-}
-
-void ShmCommunicator::probe_direct_reads(bool allowed, const Timing& timing) {
-  // Under Yama's ptrace restrictions (many distributions' default) only a designated process
-  // and its descendants may read this one: the session's launcher, whose descendants are the
-  // session's processes. Without Yama this is refused and changes nothing.
-  if (const char* launcher = std::getenv("MIRAGE_LAUNCHER_PID")) {
-    prctl(PR_SET_PTRACER, static_cast<unsigned long>(std::strtoul(launcher, nullptr, 10)), 0, 0, 0);
-  }
-  Peer* me = peer(rank_);
-  me->pid = getpid();
-  me->probe = reinterpret_cast<uint64_t>(&g_probe);
-  barrier(timing);
-  bool can_read = allowed;
-  for (int r = 0; r < size_ && can_read; ++r) {
-    uint64_t value = 0;
-    can_read = r == rank_ || (read_process(peer(r)->pid, peer(r)->probe, reinterpret_cast<char*>(&value), sizeof(value)) &&
-                              value == kProbeValue);
-  }
-  me->can_read = can_read;
-  barrier(timing);
-  direct_ = true;
-  for (int r = 0; r < size_; ++r) direct_ = direct_ && peer(r)->can_read;
-}
-
-void ShmCommunicator::read_from(int r, uint64_t address, char* to, size_t bytes, const std::string& what) {
-  if (r == rank_) {
-    std::memcpy(to, reinterpret_cast<const char*>(address), bytes);
-    return;
-  }
-  if (read_process(peer(r)->pid, address, to, bytes)) return;
-  unusable_ = true;
-  const int error = errno;
-  TORCH_CHECK_WITH(DistBackendError, false, "emulated NCCL: ", what, " could not read rank ", r, "'s memory (",
-                   std::strerror(error), error == ESRCH ? "; the rank's process is gone" : "", ")");
+  return std::make_unique<ShmCommunicator>(base, segment_bytes(size), rank, size, name.substr(name.rfind('-') + 1));
 }
 
 uint32_t* ShmCommunicator::arrived() const { return reinterpret_cast<uint32_t*>(base_); }
 uint32_t* ShmCommunicator::generation() const { return reinterpret_cast<uint32_t*>(base_ + 64); }
 uint64_t* ShmCommunicator::entered(int r) const { return reinterpret_cast<uint64_t*>(base_ + 128) + r; }
 uint32_t* ShmCommunicator::doorbell(int r) const { return reinterpret_cast<uint32_t*>(base_ + doorbells_offset(size_) + 64 * r); }
-Peer* ShmCommunicator::peer(int r) const { return reinterpret_cast<Peer*>(base_ + peers_offset(size_)) + r; }
 Call* ShmCommunicator::call(int buffer, int r) const {
   return reinterpret_cast<Call*>(base_ + calls_offset(size_)) + static_cast<size_t>(buffer) * size_ + r;
 }
@@ -454,15 +367,6 @@ void ShmCommunicator::reduce_scatter(char* out, const char* in, int64_t numel, a
 void ShmCommunicator::broadcast(char* data, int64_t numel, at::ScalarType dtype, int root, const Timing& timing) {
   const Call asked{Kind::kBroadcast, static_cast<int32_t>(dtype), root, 0, numel};
   const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
-  const size_t bytes = static_cast<size_t>(numel * item);
-  if (direct_ && bytes >= kDirectMinBytes) {
-    // Every rank reads the root's tensor at once; the root's data stays put until all have.
-    if (rank_ == root) peer(root)->source = reinterpret_cast<uint64_t>(data);
-    exchange(next_buffer(), asked, true, timing);
-    if (rank_ != root) read_from(root, peer(root)->source, data, bytes, timing.what);
-    barrier(timing);
-    return;
-  }
   const int64_t chunk = static_cast<int64_t>(kSlotBytes) / item;
   for (int64_t offset = 0; offset == 0 || offset < numel; offset += chunk) {
     const int64_t n = std::min(chunk, numel - offset);
@@ -496,38 +400,6 @@ ShmCommunicator::Ring& ShmCommunicator::ring(int src, int dst, int channel) {
   return *entry;
 }
 
-// The producer announces where its bytes are and is done once the consumer acknowledges; the
-// consumer, given the address, copies the whole message at once.
-size_t ShmCommunicator::step_direct(Transfer& t, Ring& r, const std::string& what) {
-  constexpr size_t kAddress = sizeof(t.source);
-  char* address = reinterpret_cast<char*>(&t.source);
-  size_t moved = 0;
-  if (t.send) {
-    if (t.source_done < kAddress) {
-      t.source = reinterpret_cast<uint64_t>(t.data);
-      moved = r.push(address + t.source_done, kAddress - t.source_done);
-      t.source_done += moved;
-      if (t.source_done == kAddress) ++r.direct_sent;
-    }
-    if (t.source_done == kAddress && r.acked().load(std::memory_order_acquire) == r.direct_sent) {
-      t.done = t.bytes;
-      moved += t.bytes;
-    }
-    return moved;
-  }
-  if (t.source_done < kAddress) {
-    moved = r.pop(address + t.source_done, kAddress - t.source_done);
-    t.source_done += moved;
-  }
-  if (t.source_done == kAddress) {
-    read_from(t.peer, t.source, t.data, t.bytes, what);
-    t.done = t.bytes;
-    moved += t.bytes;
-    r.acked().fetch_add(1, std::memory_order_release);
-  }
-  return moved;
-}
-
 void ShmCommunicator::transfer(std::vector<Transfer>& transfers, int channel, const std::string& what,
                             const std::function<void(std::vector<Transfer>&)>& poll,
                             const std::function<void(size_t)>& finished) {
@@ -548,6 +420,7 @@ void ShmCommunicator::transfer(std::vector<Transfer>& transfers, int channel, co
       if (blocked) continue;
       blocked = 1;
       Ring& r = t.send ? ring(rank_, t.peer, channel) : ring(t.peer, rank_, channel);
+      if (t.send && r.refused().load(std::memory_order_acquire)) fail_size(t, what);
       size_t n = 0;
       if (t.header_done < sizeof(t.header)) {
         char* header = reinterpret_cast<char*>(&t.header);
@@ -557,23 +430,17 @@ void ShmCommunicator::transfer(std::vector<Transfer>& transfers, int channel, co
         } else if (r.readable() >= sizeof(t.header)) {
           n = r.pop(header, sizeof(t.header));
           if (t.header != t.bytes) {
-            if (direct_ && t.header >= kDirectMinBytes) {  // release the sender, which waits for this
-              r.acked().fetch_add(1, std::memory_order_release);
-              ring_bell(t.peer);
-            }
+            r.refused().store(1, std::memory_order_release);
+            ring_bell(t.peer);
             fail_size(t, what);
           }
         }
         t.header_done += n;
       }
       if (t.header_done == sizeof(t.header) && t.done < t.bytes) {
-        if (direct_ && t.bytes >= kDirectMinBytes) {
-          n += step_direct(t, r, what);
-        } else {
-          size_t m = t.send ? r.push(t.data + t.done, t.bytes - t.done) : r.pop(t.data + t.done, t.bytes - t.done);
-          t.done += m;
-          n += m;
-        }
+        size_t m = t.send ? r.push(t.data + t.done, t.bytes - t.done) : r.pop(t.data + t.done, t.bytes - t.done);
+        t.done += m;
+        n += m;
       }
       if (n) {
         moved = true;

@@ -70,8 +70,6 @@ struct Transfer {
   size_t done = 0;          // payload bytes moved
   uint64_t header = 0;      // the message's length, sent ahead of it
   size_t header_done = 0;
-  uint64_t source = 0;      // shared memory, large messages: where the sender's bytes are
-  size_t source_done = 0;
   bool finished() const { return header_done == sizeof(header) && done == bytes; }
 };
 
@@ -118,7 +116,8 @@ class Communicator {
   // Raises the desync report unless every rank's call equals `asked` (calls[r]: rank r's).
   void check_calls_match(const Call* calls, const Call& asked, const std::string& what);
   [[noreturn]] void fail_timeout(const Timing& timing, const std::vector<int>& missing, const char* waiting_for);
-  // A receive whose matching send had another size (the header of `t` says what was sent).
+  // A receive whose matching send had another size (the header of `t` says what was sent), or
+  // on the sending side, a send the receiver refused for that reason.
   [[noreturn]] void fail_size(const Transfer& t, const std::string& what);
 
   std::string instance_;
@@ -136,10 +135,7 @@ void scale(at::ScalarType dtype, char* data, int64_t n, const Reduction& reducti
 // The transports. Both are collective over the group's store and block until every rank has
 // joined; null when the transport cannot serve this process (shared memory: no mirage session,
 // or /dev/shm too small).
-// `direct_reads`: large messages may be read straight from the peer's memory (NCCL's P2P
-// transport; NCCL_P2P_DISABLE=1 turns it off, as it turns off NCCL's).
-std::unique_ptr<Communicator> connect_shared_memory(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                                    bool direct_reads);
+std::unique_ptr<Communicator> connect_shared_memory(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size);
 std::unique_ptr<Communicator> connect_sockets(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                               std::chrono::milliseconds timeout);
 

@@ -223,8 +223,7 @@ def scatter(make, group):
 
 
 def send_recv(make, group, shape=(6,)):
-    """Even ranks send to the next odd one; large shapes take the shared-memory transport's
-    direct reads (unless NCCL_P2P_DISABLE)."""
+    """Even ranks send to the next odd one (large shapes: more than a shared-memory ring holds)."""
     t = make(data(shape, seed=14))
     if rank % 2 == 0:
         dist.send(t, dst=rank + 1, group=group)
