@@ -27,3 +27,14 @@ def test_out_of_memory_names_cuda_on_nvidia_profiles():
               "except torch.cuda.OutOfMemoryError as e: print(str(e).split('.')[0])\n")
     result = mirage("run", "--profile", "a100", "--gpus-per-node", "1", "--", "python", "-c", script)
     assert result.stdout.strip() == "CUDA out of memory"
+
+
+def test_rng_state_calls_work_as_the_first_cuda_call_of_a_process():
+    """A resume script restores RNG states before it touches a tensor."""
+    script = ("import torch\nstate = torch.cuda.get_rng_state()\n"
+              "torch.cuda.set_rng_state_all([state] * torch.cuda.device_count())\n"
+              "with torch.random.fork_rng(devices=[1]):\n    torch.cuda.manual_seed_all(3)\n"
+              "print('restored', state.dtype, torch.cuda.is_initialized())\n")
+    result = mirage("run", "--gpus-per-node", "2", "--", "python", "-c", script)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "restored torch.uint8 True"

@@ -10,10 +10,11 @@ captured at import time (Stream, Event, the device-properties type) are replaced
 from __future__ import annotations
 
 import os
+import sys
 from types import ModuleType
 
 from mirage import profiles
-from mirage.runtime import autograd_threads, distributed, visible_devices
+from mirage.runtime import autograd_threads, cuda_comm, distributed, nvtx, visible_devices
 
 # What a ROCm / CUDA build of torch 2.13 reports as its toolkit version.
 _HIP_VERSION = "7.0.51831-a3e329ad8"
@@ -54,18 +55,33 @@ class DeviceProperties:
         )
 
 
-def _make_stream_and_event(torch: ModuleType) -> tuple[type, type]:
-    """torch.cuda.Stream / Event as subclasses of the generic torch.Stream / torch.Event,
+def _make_stream_and_event(torch: ModuleType, is_amd: bool) -> tuple[type, type, type]:
+    """torch.cuda.Stream / ExternalStream / Event over the generic torch.Stream / torch.Event,
     which the shim's device guard already serves."""
+    # What torch's CUDAStream::priority_range() reports: 0 down to the runtime's greatest
+    # priority, capped at torch's 4 priority pools (CUDA gives -5, so -3; HIP gives -1).
+    least, greatest = (0, -1) if is_amd else (0, -3)
 
     class Stream(torch.Stream):
         """A stream on an emulated GPU. Work is synchronous, so every stream is always idle."""
 
         def __new__(cls, device=None, priority=0, **kwargs):
+            priority = min(max(priority, greatest), least)  # CUDA maps it to the nearest valid one
             if "stream_id" in kwargs:
-                return super().__new__(cls, priority=priority, **kwargs)
-            index = torch.cuda._utils._get_device_index(device, optional=True)
-            return super().__new__(cls, device=torch.device("cuda", index), priority=priority)
+                stream = super().__new__(cls, priority=priority, **kwargs)
+            else:
+                index = torch.cuda._utils._get_device_index(device, optional=True)
+                stream = super().__new__(cls, device=torch.device("cuda", index), priority=priority)
+            stream._priority = priority
+            return stream
+
+        @property
+        def priority(self) -> int:
+            return getattr(self, "_priority", 0)
+
+        @staticmethod
+        def priority_range() -> tuple[int, int]:
+            return least, greatest
 
         @property
         def cuda_stream(self) -> int:
@@ -113,7 +129,20 @@ def _make_stream_and_event(torch: ModuleType) -> tuple[type, type]:
         def elapsed_time(self, end_event) -> float:
             return self._event.elapsed_time(end_event._event)
 
-    return Stream, Event
+    class ExternalStream(Stream):
+        """A stream another library allocated (its handle is kept as `cuda_stream`); like every
+        emulated stream it runs work at once."""
+
+        def __new__(cls, stream_ptr, device=None, **kwargs):
+            stream = super().__new__(cls, device=device)
+            stream._handle = int(stream_ptr)
+            return stream
+
+        @property
+        def cuda_stream(self) -> int:
+            return self._handle
+
+    return Stream, ExternalStream, Event
 
 
 def _allow_device_storages(torch: ModuleType) -> None:
@@ -221,7 +250,12 @@ def install(torch: ModuleType) -> None:
                 del cuda._tls.is_initializing
             cuda._initialized = True
 
-    cuda._lazy_init = lazy_init
+    # torch.cuda.random, .memory, ... imported torch's _lazy_init by name: they get ours too, or
+    # get_rng_state() as the first CUDA call of a process would insist on libcudart.
+    torchs_lazy_init = cuda._lazy_init
+    for module in list(sys.modules.values()):
+        if getattr(module, "_lazy_init", None) is torchs_lazy_init:
+            module._lazy_init = lazy_init
     cuda.device_count = lambda: count
 
     def mem_get_info(device=None) -> tuple[int, int]:
@@ -232,9 +266,12 @@ def install(torch: ModuleType) -> None:
 
     _allow_device_storages(torch)
 
-    Stream, Event = _make_stream_and_event(torch)
+    Stream, ExternalStream, Event = _make_stream_and_event(torch, profile.is_amd)
     cuda.Stream = cuda.streams.Stream = Stream
+    cuda.ExternalStream = cuda.streams.ExternalStream = ExternalStream
     cuda.Event = cuda.streams.Event = Event
 
     autograd_threads.install(torch)
+    nvtx.install(torch)
+    cuda_comm.install(torch)
     distributed.install(torch)

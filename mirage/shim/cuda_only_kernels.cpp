@@ -1,5 +1,5 @@
 // Operators a CUDA build has a CUDA kernel for and a CPU build has no kernel for at all, which
-// distributed code reaches: the SyncBatchNorm family (torch/nn/modules/_functions.py calls them
+// distributed code reaches: record_stream, and the SyncBatchNorm family (torch/nn/modules/_functions.py calls them
 // on the device). Each follows its CUDA definition (aten/src/ATen/native/cuda/Normalization.cu):
 // statistics in the accumulate type (float for half and bfloat16 inputs), biased variance
 // inside invstd = 1 / sqrt(var + eps), the running variance updated with the unbiased one. They
@@ -126,10 +126,16 @@ Tensor batch_norm_backward_elemt(const Tensor& grad_out, const Tensor& input, co
   return grad.to(input.scalar_type()).contiguous(input.suggest_memory_format());
 }
 
+// Tensor.record_stream (FSDP, ZeRO-3 prefetch, overlap schemes): on a GPU it tells the caching
+// allocator not to reuse the block until the stream's queued work is done. Emulated work runs
+// when it is issued and the allocator does not cache, so the block is already free to reuse.
+void record_stream(Tensor& /*self*/, c10::Stream /*stream*/) {}
+
 }  // namespace
 }  // namespace mirage
 
 TORCH_LIBRARY_IMPL(aten, CUDA, m) {
+  m.impl("record_stream", TORCH_FN(mirage::record_stream));
   m.impl("batch_norm_stats", TORCH_FN(mirage::batch_norm_stats));
   m.impl("batch_norm_gather_stats", TORCH_FN(mirage::batch_norm_gather_stats));
   m.impl("batch_norm_gather_stats_with_counts", TORCH_FN(mirage::batch_norm_gather_stats_with_counts));

@@ -1,0 +1,87 @@
+"""torch.cuda beyond tensors, as frameworks call it: streams, NVTX, torch.cuda.comm, DataParallel."""
+
+import copy
+
+import pytest
+import torch
+import torch.cuda.comm as comm
+from torch import nn
+
+
+def test_record_stream_and_stream_ordering_are_accepted():
+    side = torch.cuda.Stream()
+    t = torch.ones(4, device="cuda")
+    with torch.cuda.stream(side):
+        t.mul_(3)
+    torch.cuda.current_stream().wait_stream(side)
+    t.record_stream(side)  # FSDP / ZeRO-3 prefetch
+    event = side.record_event()
+    torch.cuda.current_stream().wait_event(event)
+    assert event.query() and side.query()
+    assert torch.equal(t.cpu(), torch.full((4,), 3.0))
+
+
+def test_stream_priorities_are_clamped_into_torchs_range_as_on_a_rocm_box():
+    least, greatest = torch.cuda.Stream.priority_range()
+    assert (least, greatest) == (0, -1)
+    assert torch.cuda.Stream(priority=-1).priority == -1
+    assert torch.cuda.Stream(priority=-100).priority == greatest
+    assert torch.cuda.Stream(priority=7).priority == least
+
+
+def test_an_external_stream_keeps_its_handle():
+    stream = torch.cuda.ExternalStream(0xBEEF, device=1)
+    assert stream.cuda_stream == 0xBEEF and stream.device == torch.device("cuda", 1)
+    with torch.cuda.stream(stream):
+        assert torch.cuda.current_stream().device_index == 1
+
+
+def test_nvtx_ranges_nest_and_marks_are_accepted():
+    assert torch.cuda.nvtx.range_push("outer") == 0
+    assert torch.cuda.nvtx.range_push("inner") == 1
+    assert torch.cuda.nvtx.range_pop() == 1
+    assert torch.cuda.nvtx.range_pop() == 0
+    torch.cuda.nvtx.mark("step")
+    handle = torch.cuda.nvtx.range_start("across threads")
+    torch.cuda.nvtx.range_end(handle)
+    with torch.cuda.nvtx.range("step {}", 3):
+        pass
+
+
+def test_comm_broadcast_keeps_the_source_and_copies_elsewhere():
+    source = torch.arange(6.0, device="cuda:1")
+    copies = comm.broadcast(source, [1, 0, 3])
+    assert copies[0] is source
+    assert [c.device.index for c in copies] == [1, 0, 3]
+    assert all(torch.equal(c.cpu(), source.cpu()) for c in copies)
+    out = [torch.empty(6, device=f"cuda:{i}") for i in (2, 3)]
+    comm.broadcast(source, out=out)
+    assert all(torch.equal(o.cpu(), source.cpu()) for o in out)
+    coalesced = comm.broadcast_coalesced([source, source * 2], [1, 2])
+    assert coalesced[0][0] is source and torch.equal(coalesced[1][1].cpu(), source.cpu() * 2)
+
+
+def test_comm_scatter_gather_and_reduce_add_equal_the_cpu_math():
+    x = torch.arange(24.0).reshape(6, 4)
+    parts = comm.scatter(x.cuda(0), [0, 1, 2], chunk_sizes=[1, 2, 3])
+    assert [p.device.index for p in parts] == [0, 1, 2]
+    assert [tuple(p.shape) for p in parts] == [(1, 4), (2, 4), (3, 4)]
+    assert torch.equal(comm.gather(parts, dim=0, destination=3).cpu(), x)
+    assert comm.gather(parts, destination="cpu").device == torch.device("cpu")
+    summed = comm.reduce_add([x.cuda(0), (2 * x).cuda(1)], destination=1)
+    assert summed.device == torch.device("cuda", 1) and torch.equal(summed.cpu(), 3 * x)
+    with pytest.raises(RuntimeError, match="Expected all input tensors to be CUDA tensors"):
+        comm.gather([x, x.cuda(0)])
+
+
+def test_data_parallel_over_four_gpus_trains_with_the_cpu_gradients():
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    model = nn.DataParallel(copy.deepcopy(reference).cuda(0), device_ids=[0, 1, 2, 3])
+    x, y = torch.randn(32, 8), torch.randn(32, 2)
+    nn.functional.mse_loss(reference(x), y).backward()
+    output = model(x.cuda(0))
+    assert output.device == torch.device("cuda", 0)
+    nn.functional.mse_loss(output, y.cuda(0)).backward()
+    for ours, theirs in zip(model.module.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.grad.cpu(), theirs.grad, rtol=1e-5, atol=1e-6)
