@@ -37,6 +37,7 @@ class Profile:
     memory_bandwidth_gbs: float
     link_bandwidth_gbs: float
     gpus_per_node: int
+    board_power_watts: float  # total board power (TDP): the power draw under full load
     peak_tflops: dict[str, float] = field(default_factory=dict)
     path: Path = Path()
 
@@ -59,6 +60,7 @@ _FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "memory_bandwidth_gbs": ((int, float), "a positive number"),
     "link_bandwidth_gbs": ((int, float), "a positive number"),
     "gpus_per_node": ((int,), "an integer from 1 to 64"),
+    "board_power_watts": ((int, float), "a positive number"),
     "peak_tflops": ((dict,), "a table of dtype = TFLOP/s"),
 }
 
@@ -84,7 +86,7 @@ def _check(path: Path, data: dict) -> Profile:
     capability = data["compute_capability"]
     if len(capability) != 2 or not all(isinstance(x, int) and x >= 0 for x in capability):
         raise bad("compute_capability")
-    for name in ("memory_bytes", "compute_units", "memory_bandwidth_gbs", "link_bandwidth_gbs"):
+    for name in ("memory_bytes", "compute_units", "memory_bandwidth_gbs", "link_bandwidth_gbs", "board_power_watts"):
         if data[name] <= 0:
             raise bad(name)
     if data["clock_ghz"] < 0:

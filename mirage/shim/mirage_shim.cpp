@@ -91,8 +91,27 @@ struct DeviceCounters {
   std::atomic<int64_t> num_frees{0};
   std::atomic<int64_t> bytes_allocated_total{0};
   std::atomic<int64_t> bytes_freed_total{0};
+  std::atomic<int64_t> busy_ns{0};  // time spent running this device's work (utilization)
 };
 static std::array<DeviceCounters, kMaxDevices> g_counters;
+
+// Measures one piece of device work into the device's busy time.
+class BusyTimer {
+ public:
+  explicit BusyTimer(DeviceIndex device) : device_(device), start_(std::chrono::steady_clock::now()) {}
+  ~BusyTimer() {
+    if (device_ < 0 || device_ >= kMaxDevices) return;
+    const auto spent = std::chrono::steady_clock::now() - start_;
+    g_counters[device_].busy_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(spent).count(),
+                                          std::memory_order_relaxed);
+  }
+  BusyTimer(const BusyTimer&) = delete;
+  BusyTimer& operator=(const BusyTimer&) = delete;
+
+ private:
+  DeviceIndex device_;
+  std::chrono::steady_clock::time_point start_;
+};
 
 static std::string format_size(int64_t bytes) {
   char buf[64];
@@ -655,7 +674,10 @@ static void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::
   if (target < 0) target = tl_device;
   for (size_t i : generator_slots) (*stack)[base + i] = c10::IValue(default_generator(target));
 
-  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+  {
+    BusyTimer busy(target);
+    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+  }
 
   // Writes (in-place / out=) may have resized an alias: carry that back to the device tensor.
   if (!aliased.empty() && op.schema().is_mutable()) {
@@ -718,6 +740,7 @@ static at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
 static at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool) {
   at::Tensor dst_cpu = self.is_cuda() ? cpu_alias(self) : self;
   at::Tensor src_cpu = src.is_cuda() ? cpu_alias(src) : src;
+  BusyTimer busy(self.is_cuda() ? self.device().index() : src.is_cuda() ? src.device().index() : -1);
   at::_ops::copy_::redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), dst_cpu, src_cpu, false);
   return self;
 }
@@ -897,5 +920,9 @@ TORCH_LIBRARY(mirage, m) {
   m.def("resize_storage_bytes_(Tensor(a!) self, int nbytes) -> ()", &mirage::resize_storage_bytes);
   m.def("default_generator(int device) -> Generator?", [](int64_t device) {
     return mirage::default_generator(static_cast<c10::DeviceIndex>(device));
+  });
+  m.def("busy_time_ns(int device) -> int", [](int64_t device) -> int64_t {
+    mirage::check_index(static_cast<c10::DeviceIndex>(device));
+    return mirage::g_counters[device].busy_ns.load(std::memory_order_relaxed);
   });
 }

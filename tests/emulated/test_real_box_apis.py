@@ -85,3 +85,24 @@ def test_data_parallel_over_four_gpus_trains_with_the_cpu_gradients():
     nn.functional.mse_loss(output, y.cuda(0)).backward()
     for ours, theirs in zip(model.module.parameters(), reference.parameters()):
         torch.testing.assert_close(ours.grad.cpu(), theirs.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_device_queries_answer_from_the_emulated_device_without_vendor_libraries():
+    import time
+
+    device = 2
+    torch.cuda.utilization(device)  # opens a sample period
+    time.sleep(0.2)
+    assert torch.cuda.utilization(device) == 0
+    assert torch.cuda.temperature(device) == 35
+    assert torch.cuda.power_draw(device) == 150  # watts on AMD (amdsmi); 15% of the MI350X's 1000 W
+    a = torch.randn(512, 512, device=f"cuda:{device}")
+    end = time.monotonic() + 0.4
+    while time.monotonic() < end:
+        a = (a @ a).tanh()
+    busy = torch.cuda.utilization(device)
+    assert busy >= 50, busy
+    assert torch.cuda.clock_rate(device) == 2200
+    before = torch.cuda.device_memory_used(device)
+    block = torch.empty(2**20, dtype=torch.uint8, device=f"cuda:{device}")
+    assert torch.cuda.device_memory_used(device) - before == block.numel()

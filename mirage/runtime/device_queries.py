@@ -1,0 +1,71 @@
+"""torch.cuda's NVML / amdsmi queries, answered by the emulated device: utilization,
+memory_usage, temperature, power_draw, clock_rate, device_memory_used.
+
+On a real box torch asks pynvml (NVIDIA) or amdsmi (AMD), which have no device to talk to here.
+What each returns (documented in the README):
+
+- utilization, memory_usage: the percent of the time since the previous query (at least 1/6 s
+  back, NVML's shortest sample period) during which this process ran work on the device: the
+  shim's op path times every kernel into the device's busy time. Emulated kernels are CPU loops over memory, so the two
+  are the same figure.
+- power_draw: a model, 15% of the profile's board power idle rising linearly to all of it at
+  100% utilization; in milliwatts on NVIDIA profiles (NVML) and watts on AMD ones (amdsmi's
+  socket power), as the real calls return them.
+- temperature: a model, 35 C idle rising linearly to 80 C at 100% utilization.
+- clock_rate: the profile's clock in MHz.
+- device_memory_used: bytes in use on the device, by every process of the session.
+"""
+
+from __future__ import annotations
+
+import time
+from types import ModuleType
+
+from mirage.profiles import Profile
+
+_SHORTEST_SAMPLE_PERIOD_S = 1 / 6  # NVML's
+_IDLE_POWER_FRACTION = 0.15
+_IDLE_CELSIUS, _FULL_LOAD_CELSIUS = 35, 80
+
+
+def install(torch: ModuleType, profile: Profile) -> None:
+    cuda = torch.cuda
+    started = time.monotonic()
+    samples: dict[int, list[tuple[float, int]]] = {}  # device -> (time, busy ns) of earlier calls
+
+    def index(device) -> int:
+        return cuda._utils._get_device_index(device, optional=True)
+
+    def busy_fraction(device) -> float:
+        """Busy time over the period since the latest earlier query at least 1/6 s ago (NVML's
+        shortest sample period), or since the process started. No sampling thread: one would
+        have to call into torch while the interpreter shuts down."""
+        d = index(device)
+        now, busy = time.monotonic(), torch.ops.mirage.busy_time_ns(d)
+        earlier = [s for s in samples.get(d, []) if now - s[0] >= _SHORTEST_SAMPLE_PERIOD_S]
+        since, busy_then = earlier[-1] if earlier else (started, 0)
+        samples[d] = [s for s in samples.get(d, []) if s[0] >= since] + [(now, busy)]
+        return min(1.0, max(0.0, (busy - busy_then) / 1e9 / max(now - since, 1e-9)))
+
+    def utilization(device=None) -> int:
+        return round(100 * busy_fraction(device))
+
+    def temperature(device=None) -> int:
+        return round(_IDLE_CELSIUS + (_FULL_LOAD_CELSIUS - _IDLE_CELSIUS) * busy_fraction(device))
+
+    def power_draw(device=None) -> int:
+        load = _IDLE_POWER_FRACTION + (1 - _IDLE_POWER_FRACTION) * busy_fraction(device)
+        watts = profile.board_power_watts * load
+        return round(watts if profile.is_amd else watts * 1000)
+
+    def clock_rate(device=None) -> int:
+        index(device)
+        return round(profile.clock_ghz * 1000)
+
+    def device_memory_used(device=None) -> int:
+        free, total = cuda.mem_get_info(index(device))
+        return total - free
+
+    cuda.utilization = cuda.memory_usage = utilization
+    cuda.temperature, cuda.power_draw, cuda.clock_rate = temperature, power_draw, clock_rate
+    cuda.device_memory_used = device_memory_used
