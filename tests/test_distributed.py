@@ -67,16 +67,43 @@ def test_torchrun_across_emulated_nodes():
 
 
 def test_identity_variables_per_rank_and_node():
-    script = "import os; print(*(os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'MIRAGE_NODE_RANK', 'NCCL_HOSTID')))"
+    script = ("import os; print(*(os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'MIRAGE_NODE_RANK', "
+              "'NODE_RANK', 'GROUP_RANK', 'LOCAL_WORLD_SIZE', 'NCCL_HOSTID')))")
     result = mirage("run", "--num-nodes", "2", "--nproc-per-node", "2", "--gpus-per-node", "2",
                     "--env", "RANK=99", "--", "python", "-c", script)
     assert result.returncode == 0, result.stderr
     rows = sorted(line.split(" ", 1) for line in result.stdout.splitlines())
     assert [r[0] for r in rows] == ["[0]", "[1]", "[2]", "[3]"]
     fields = [r[1].split() for r in rows]
-    assert [f[:4] for f in fields] == [["0", "0", "4", "0"], ["1", "1", "4", "0"], ["2", "0", "4", "1"], ["3", "1", "4", "1"]]
-    assert fields[0][4] == fields[1][4] != fields[2][4]
+    assert [f[:7] for f in fields] == [["0", "0", "4", "0", "0", "0", "2"], ["1", "1", "4", "0", "0", "0", "2"],
+                                       ["2", "0", "4", "1", "1", "1", "2"], ["3", "1", "4", "1", "1", "1", "2"]]
+    assert fields[0][7] == fields[1][7] != fields[2][7]
     assert "--env RANK ignored" in result.stderr
+
+
+def test_a_one_process_job_has_no_rank_variables_as_on_a_real_box():
+    script = ("import os; print(*(os.environ.get(k) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', "
+              "'GROUP_RANK', 'NODE_RANK')), bool(os.environ['MASTER_ADDR']), bool(os.environ['MASTER_PORT']), "
+              "bool(os.environ['MIRAGE_SESSION']))")
+    caller = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    result = mirage("run", "--gpus-per-node", "2", "--", "python", "-c", script, env=caller)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["None"] * 6 + ["True"] * 3
+    chosen = mirage("run", "--env", "WORLD_SIZE=2", "--env", "RANK=1", "--", "python", "-c", script, env=caller)
+    assert chosen.stdout.split()[:3] == ["1", "None", "2"] and "ignored" not in chosen.stderr
+
+
+def test_a_trainer_that_spawns_its_own_workers_trains_ddp_on_every_gpu():
+    result = mirage("run", "--gpus-per-node", "2", "--", "python", "tests/workloads/self_spawning_ddp.py", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "worker 0: 2 ranks trained, identical replicas: True" in result.stdout
+    assert "launcher: workers exited with [0, 0]" in result.stdout
+
+
+def test_the_ddp_demo_script_runs_as_one_rank_without_a_launcher():
+    result = mirage("run", "--gpus-per-node", "1", "--", "python", "tests/fixtures/ml/ddp_mlp.py", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ddp_mlp_ok" in result.stdout
 
 
 def test_a_failing_rank_stops_the_job_with_its_exit_code():

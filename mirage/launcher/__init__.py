@@ -160,13 +160,22 @@ def placements(num_nodes: int, nproc_per_node: int | None) -> list[Placement]:
 
 
 def identity(session_id: str, session_dir: Path, place: Placement, num_nodes: int, port: int) -> dict[str, str]:
-    """The job identity of one process: set last, never overridable by --env."""
-    return {
+    """The job identity of one process: set last, never overridable by --env.
+
+    A one-process job gets no rank variables, as `python train.py` on a real box has none (a
+    launcher that starts its own workers unless LOCAL_RANK is set must not take itself for
+    one); --env may set them. A multi-process job gets torchrun's (RANK, LOCAL_RANK, WORLD_SIZE,
+    LOCAL_WORLD_SIZE, GROUP_RANK) and NODE_RANK."""
+    ranks = {} if place.world_size == 1 else {
         "RANK": str(place.rank),
         "LOCAL_RANK": str(place.local_rank),
         "WORLD_SIZE": str(place.world_size),
         "LOCAL_WORLD_SIZE": str(place.world_size // num_nodes),
         "GROUP_RANK": str(place.node),
+        "NODE_RANK": str(place.node),
+    }
+    return {
+        **ranks,
         "MASTER_ADDR": HEAD_ADDR,
         "MASTER_PORT": str(port),
         "MIRAGE_HEAD_ADDR": HEAD_ADDR,

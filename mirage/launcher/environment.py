@@ -17,15 +17,11 @@ import mirage
 RUNTIME_SITE_DIR = Path(mirage.__file__).parent / "runtime" / "site"
 KEPT_WHEN_CLEARED = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "TERM", "TMPDIR", "SHELL")
 SEARCH_LISTS = ("PYTHONPATH", "LD_LIBRARY_PATH", "LD_PRELOAD")
-IDENTITY = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-    "MASTER_PORT", "NCCL_HOSTID",
-)
 
 
-def is_protected(key: str) -> bool:
-    """Variables --env may not set: the job identity and everything mirage itself exports."""
-    return key in IDENTITY or key.startswith("MIRAGE_")
+def is_protected(key: str, identity: dict[str, str]) -> bool:
+    """Variables --env may not set: the process's job identity and everything mirage exports."""
+    return key in identity or key.startswith("MIRAGE_")
 
 
 def parse_assignments(pairs: list[str]) -> dict[str, str]:
@@ -57,7 +53,7 @@ def build(
     env = {k: base[k] for k in KEPT_WHEN_CLEARED if k in base} if clear else dict(base)
     env.update(emulator)
     for key, value in user.items():
-        if is_protected(key):
+        if is_protected(key, identity):
             warn(f"--env {key} ignored: mirage sets {key} itself for every process")
         elif key in SEARCH_LISTS:
             _prepend(env, key, value)
