@@ -14,7 +14,8 @@ import sys
 from types import ModuleType
 
 from mirage import profiles
-from mirage.runtime import autograd_threads, cuda_comm, device_queries, distributed, nvtx, visible_devices
+from mirage.runtime import (autograd_threads, cuda_comm, cuda_runtime, device_queries, distributed, nvtx,
+                            visible_devices)
 
 # What a ROCm / CUDA build of torch 2.13 reports as its toolkit version.
 _HIP_VERSION = "7.0.51831-a3e329ad8"
@@ -275,4 +276,5 @@ def install(torch: ModuleType) -> None:
     nvtx.install(torch)
     cuda_comm.install(torch)
     device_queries.install(torch, profile)
+    cuda_runtime.install(torch, profile)
     distributed.install(torch)

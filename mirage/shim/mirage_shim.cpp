@@ -203,6 +203,20 @@ static int64_t device_in_use(DeviceIndex dev) {
   return total;
 }
 
+// torch.cuda.set_per_process_memory_fraction: this process may hold at most fraction x
+// capacity on the device (1.0 until set). Stored as parts per billion of the capacity NOT
+// allowed (so zero-initialised means everything allowed), to stay lock-free.
+static std::array<std::atomic<int64_t>, kMaxDevices> g_withheld_ppb;
+
+static int64_t fraction_ppb(DeviceIndex dev) {
+  return 1000000000 - g_withheld_ppb[dev].load(std::memory_order_relaxed);
+}
+
+static int64_t allowed_bytes(DeviceIndex dev) {
+  const int64_t ppb = fraction_ppb(dev);
+  return static_cast<int64_t>(static_cast<long double>(config().capacity) * ppb / 1000000000);
+}
+
 [[noreturn]] static void raise_oom(DeviceIndex dev, int64_t requested) {
   const Config& cfg = config();
   const char* api = cfg.amd ? "HIP" : "CUDA";
@@ -223,7 +237,8 @@ static int64_t device_in_use(DeviceIndex dev) {
       api, " out of memory. Tried to allocate ", format_size(requested), ". GPU ", static_cast<int>(dev),
       " has a total capacity of ", format_size(cfg.capacity), " of which ", format_size(free_bytes),
       " is free. ", others, "Including non-PyTorch memory, this process has ", format_size(mine),
-      " memory in use. Of the allocated memory ", format_size(mine),
+      " memory in use. ", fraction_ppb(dev) < 1000000000 ? format_size(allowed_bytes(dev)) + " allowed; " : "",
+      "Of the allocated memory ", format_size(mine),
       " is allocated by PyTorch, and 0 bytes is reserved by PyTorch but unallocated. If reserved but "
       "unallocated memory is large try setting PYTORCH_", api,
       "_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory "
@@ -251,8 +266,10 @@ static void charge(DeviceIndex dev, int64_t n) {
   }
   DeviceCounters& c = g_counters[dev];
   int64_t mine = c.allocated.fetch_add(n, std::memory_order_relaxed) + n;
-  if (!g_shared.slot && capacity > 0 && mine > capacity) {
+  const bool over_fraction = capacity > 0 && mine > allowed_bytes(dev);
+  if ((!g_shared.slot && capacity > 0 && mine > capacity) || over_fraction) {
     c.allocated.fetch_sub(n, std::memory_order_relaxed);
+    if (g_shared.slot) SharedTable::at(g_shared.slot + SharedTable::kSlotHead + node_gpu(dev)).fetch_sub(n, std::memory_order_relaxed);
     raise_oom(dev, n);
   }
   int64_t peak = c.peak.load(std::memory_order_relaxed);
@@ -920,6 +937,14 @@ TORCH_LIBRARY(mirage, m) {
   m.def("resize_storage_bytes_(Tensor(a!) self, int nbytes) -> ()", &mirage::resize_storage_bytes);
   m.def("default_generator(int device) -> Generator?", [](int64_t device) {
     return mirage::default_generator(static_cast<c10::DeviceIndex>(device));
+  });
+  m.def("set_memory_fraction(int device, float fraction) -> ()", [](int64_t device, double fraction) {
+    mirage::check_index(static_cast<c10::DeviceIndex>(device));
+    mirage::g_withheld_ppb[device].store(1000000000 - static_cast<int64_t>(fraction * 1e9 + 0.5));
+  });
+  m.def("memory_fraction(int device) -> float", [](int64_t device) -> double {
+    mirage::check_index(static_cast<c10::DeviceIndex>(device));
+    return mirage::fraction_ppb(static_cast<c10::DeviceIndex>(device)) / 1e9;
   });
   m.def("busy_time_ns(int device) -> int", [](int64_t device) -> int64_t {
     mirage::check_index(static_cast<c10::DeviceIndex>(device));

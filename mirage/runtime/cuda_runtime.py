@@ -1,0 +1,138 @@
+"""The rest of torch.cuda's runtime bindings a CPU build lacks: the CUDA runtime module
+(`torch.cuda.cudart()`: error strings, profiler start/stop), the caching allocator's raw
+alloc/delete, memory fraction, library handles, external streams, IPC collection, and
+TunableOp's settings.
+
+Each behaves as the CUDA (or ROCm) build's binding does where a program can observe it. Where
+the emulated device has nothing behind it (a BLAS handle, a profiler to start, a GEMM to tune)
+the call is accepted and does nothing, as it would look to the program on a GPU box with no
+profiler attached and no tuning to do.
+"""
+
+from __future__ import annotations
+
+import csv
+import enum
+import os
+from types import ModuleType, SimpleNamespace
+
+from mirage.profiles import Profile
+
+# cudaError_t / hipError_t values programs meet, and their runtime's error strings.
+_ERRORS = {0: ("success", "no error"), 1: ("invalid_value", "invalid argument"),
+           2: ("memory_allocation", "out of memory"), 3: ("initialization_error", "initialization error"),
+           100: ("no_device", "no CUDA-capable device is detected"),
+           101: ("invalid_device", "invalid device ordinal")}
+
+
+def _cudart(is_amd: bool) -> SimpleNamespace:
+    """What torch.cuda.cudart() returns: the runtime's Python bindings torch uses."""
+    error = enum.IntEnum("cudaError", {name: code for code, (name, _) in _ERRORS.items()})
+
+    def error_string(code) -> str:
+        text = _ERRORS.get(int(code), (None, "unknown error"))[1]
+        return text.replace("CUDA-capable", "ROCm-capable") if is_amd else text
+
+    ok = error.success
+    return SimpleNamespace(cudaError=error, cudaGetErrorString=error_string,
+                           cudaProfilerStart=lambda: ok, cudaProfilerStop=lambda: ok,
+                           cudaHostRegister=lambda ptr, size, flags: ok, cudaHostUnregister=lambda ptr: ok,
+                           cudaStreamCreate=lambda ptr: ok, cudaStreamDestroy=lambda stream: ok)
+
+
+class _TunableOp:
+    """TunableOp's settings and results file, as torch's TuningContext keeps them (the
+    PYTORCH_TUNABLEOP_* variables give the defaults). Tuning itself finds nothing to tune on
+    emulated GPUs: every GEMM runs PyTorch's CPU kernel, so results stay empty."""
+
+    def __init__(self, profile: Profile) -> None:
+        env = os.environ
+        flag = lambda name, default: env.get(name, default) == "1"  # noqa: E731
+        self.enabled = flag("PYTORCH_TUNABLEOP_ENABLED", "0")
+        self.tuning = flag("PYTORCH_TUNABLEOP_TUNING", "1")
+        self.record_untuned = flag("PYTORCH_TUNABLEOP_RECORD_UNTUNED", "0")
+        self.max_duration_ms = int(env.get("PYTORCH_TUNABLEOP_MAX_TUNING_DURATION_MS", "30"))
+        self.max_iterations = int(env.get("PYTORCH_TUNABLEOP_MAX_TUNING_ITERATIONS", "100"))
+        self.rotating_buffer_mb = int(env.get("PYTORCH_TUNABLEOP_ROTATING_BUFFER_SIZE", "-1"))
+        self.filename = env.get("PYTORCH_TUNABLEOP_FILENAME", "tunableop_results.csv")
+        self.results: list[tuple[str, str, str, float]] = []
+        self.validators = (("PT_VERSION", _torch_version()),
+                           ("ROCM_VERSION" if profile.is_amd else "CUDA_VERSION", "emulated"),
+                           ("GCN_ARCH_NAME" if profile.is_amd else "DEVICE_ARCH", profile.arch))
+
+    def read_file(self, filename: str | None) -> bool:
+        """Loads results written by a real run (Validator lines are checked by the real
+        runtime; here they are skipped). False if the file cannot be read."""
+        try:
+            with open(filename or self.filename, newline="") as f:
+                rows = [r for r in csv.reader(f) if r and r[0] != "Validator"]
+        except OSError:
+            return False
+        self.results = [(r[0], r[1], r[2], float(r[3])) for r in rows if len(r) >= 4]
+        return True
+
+    def bind(self, C) -> None:
+        def setter(attribute: str):
+            return lambda value: setattr(self, attribute, value)
+
+        C._cuda_tunableop_enable, C._cuda_tunableop_is_enabled = setter("enabled"), lambda: self.enabled
+        C._cuda_tunableop_tuning_enable, C._cuda_tunableop_tuning_is_enabled = setter("tuning"), lambda: self.tuning
+        C._cuda_record_untuned_enable = setter("record_untuned")
+        C._cuda_record_untuned_is_enabled = lambda: self.record_untuned
+        C._cuda_tunableop_set_max_tuning_duration = setter("max_duration_ms")
+        C._cuda_tunableop_get_max_tuning_duration = lambda: self.max_duration_ms
+        C._cuda_tunableop_set_max_tuning_iterations = setter("max_iterations")
+        C._cuda_tunableop_get_max_tuning_iterations = lambda: self.max_iterations
+        C._cuda_tunableop_set_rotating_buffer_size = setter("rotating_buffer_mb")
+        C._cuda_tunableop_get_rotating_buffer_size = lambda: self.rotating_buffer_mb
+        C._cuda_tunableop_set_numerical_check_tolerances = lambda enable, atol=1e-5, rtol=1e-5: None
+        C._cuda_tunableop_set_filename = lambda filename, insert_device_ordinal=False: setattr(
+            self, "filename", filename)
+        C._cuda_tunableop_get_filename = lambda: self.filename
+        C._cuda_tunableop_get_results = lambda: tuple(self.results)
+        C._cuda_tunableop_get_validators = lambda: self.validators
+        C._cuda_tunableop_read_file = self.read_file
+        C._cuda_tunableop_write_file = lambda filename=None: True
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def install(torch: ModuleType, profile: Profile) -> None:
+    C = torch._C
+    cuda = torch.cuda
+    cuda._cudart = _cudart(profile.is_amd)
+
+    raw_blocks: dict[int, object] = {}  # caching_allocator_alloc's blocks, by address
+
+    def raw_alloc(size: int, stream: int) -> int:
+        block = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", cuda.current_device()))
+        raw_blocks[block.data_ptr()] = block
+        return block.data_ptr()
+
+    def raw_delete(pointer: int) -> None:
+        if raw_blocks.pop(pointer, None) is None:
+            raise RuntimeError("invalid device pointer: " + hex(pointer))
+
+    caching = {"enabled": True}
+    C._cuda_cudaCachingAllocator_raw_alloc, C._cuda_cudaCachingAllocator_raw_delete = raw_alloc, raw_delete
+    C._cuda_cudaCachingAllocator_enable = lambda value: caching.__setitem__("enabled", bool(value))
+    C._cuda_cudaCachingAllocator_is_enabled = lambda: caching["enabled"]
+    C._cuda_getAllocatorBackend = lambda: "native"
+    C._cuda_setMemoryFraction = lambda fraction, device: torch.ops.mirage.set_memory_fraction(device, fraction)
+    C._cuda_getMemoryFraction = lambda device: torch.ops.mirage.memory_fraction(device)
+    C._cuda_ipc_collect = lambda: None
+
+    # Opaque library handles, one per device, stable for the process (as cuBLAS/cuSOLVER's are).
+    C._cuda_getCurrentBlasHandle = lambda: 0x10000 + cuda.current_device()
+    C._cuda_getCurrentSolverHandle = lambda: 0x20000 + cuda.current_device()
+
+    def stream_from_external(data_ptr: int, device_index: int):
+        stream = cuda.ExternalStream(data_ptr, device=device_index)
+        return stream.stream_id, stream.device_index, stream.device_type
+
+    C._cuda_getStreamFromExternal = stream_from_external
+    _TunableOp(profile).bind(C)
