@@ -106,3 +106,27 @@ def test_device_queries_answer_from_the_emulated_device_without_vendor_libraries
     before = torch.cuda.device_memory_used(device)
     block = torch.empty(2**20, dtype=torch.uint8, device=f"cuda:{device}")
     assert torch.cuda.device_memory_used(device) - before == block.numel()
+
+
+def test_per_process_memory_fraction_caps_what_the_process_may_allocate():
+    device = 3
+    torch.cuda.set_per_process_memory_fraction(1e-6, device)  # about 300 KiB of the MI350X's 288 GB
+    try:
+        assert torch.cuda.get_per_process_memory_fraction(device) == pytest.approx(1e-6)
+        small = torch.empty(1024, device=f"cuda:{device}")
+        with pytest.raises(torch.cuda.OutOfMemoryError, match="allowed; Of the allocated memory"):
+            torch.empty(2**20, device=f"cuda:{device}")
+        del small
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    torch.empty(2**20, device=f"cuda:{device}")
+
+
+def test_caching_allocator_raw_blocks_and_runtime_error_strings():
+    pointer = torch.cuda.caching_allocator_alloc(4096, device=1)
+    assert torch.cuda.memory_allocated(1) >= 4096
+    torch.cuda.caching_allocator_delete(pointer)
+    assert str(torch.cuda.CudaError(2)) == "out of memory (2)"
+    torch.cuda.check_error(0)
+    with torch.cuda.profiler.profile():
+        pass
