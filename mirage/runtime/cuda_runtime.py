@@ -125,6 +125,7 @@ def install(torch: ModuleType, profile: Profile) -> None:
     C._cuda_setMemoryFraction = lambda fraction, device: torch.ops.mirage.set_memory_fraction(device, fraction)
     C._cuda_getMemoryFraction = lambda device: torch.ops.mirage.memory_fraction(device)
     C._cuda_ipc_collect = lambda: None
+    C._host_emptyCache = lambda: None  # pinned host memory is not cached
 
     # Opaque library handles, one per device, stable for the process (as cuBLAS/cuSOLVER's are).
     C._cuda_getCurrentBlasHandle = lambda: 0x10000 + cuda.current_device()

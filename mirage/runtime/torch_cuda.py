@@ -14,8 +14,8 @@ import sys
 from types import ModuleType
 
 from mirage import profiles
-from mirage.runtime import (autograd_threads, cuda_comm, cuda_runtime, device_queries, distributed, nvtx,
-                            visible_devices)
+from mirage.runtime import (autograd_threads, cuda_comm, cuda_graphs, cuda_runtime, device_queries, distributed,
+                            nvtx, visible_devices)
 
 # What a ROCm / CUDA build of torch 2.13 reports as its toolkit version.
 _HIP_VERSION = "7.0.51831-a3e329ad8"
@@ -207,7 +207,7 @@ def install(torch: ModuleType) -> None:
         "_cuda_isInBadFork": lambda: False,  # host memory survives fork
         "_cuda_getArchFlags": lambda: profile.arch,
         "_cuda_getCompiledVersion": lambda: 70051831 if profile.is_amd else 12080,
-        "_cuda_synchronize": lambda: None,
+        "_cuda_synchronize": torch.ops.mirage.graph_check_not_capturing,  # work is done once issued
         "_cuda_emptyCache": lambda: None,
         "_cuda_memoryStats": C._accelerator_getDeviceStats,
         "_cuda_resetPeakMemoryStats": C._accelerator_resetPeakStats,
@@ -217,14 +217,11 @@ def install(torch: ModuleType) -> None:
         "_cuda_setStream": set_stream,
         "_cuda_getCurrentRawStream": lambda index: C._accelerator_getStream(index).stream_id,
         "_cuda_canDeviceAccessPeer": lambda a, b: True,
-        # No stream is ever being captured into a CUDA graph (SyncBatchNorm asks, among others).
-        "_cuda_isCurrentStreamCapturing": lambda: False,
         "_cuda_get_sync_debug_mode": lambda: 0,
         "_cuda_set_sync_debug_mode": lambda mode: None,
     }
     for name, fn in bindings.items():
         setattr(C, name, fn)
-    cuda.graphs._cuda_isCurrentStreamCapturing = C._cuda_isCurrentStreamCapturing  # imported by name there
 
     properties = [DeviceProperties(profile, node_gpu) for node_gpu in visible]
     cuda._CudaDeviceProperties = DeviceProperties
@@ -277,4 +274,5 @@ def install(torch: ModuleType) -> None:
     cuda_comm.install(torch)
     device_queries.install(torch, profile)
     cuda_runtime.install(torch, profile)
+    cuda_graphs.install(torch)
     distributed.install(torch)

@@ -40,6 +40,8 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <map>
+#include <functional>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -629,7 +631,115 @@ struct Aliased {
       " and ", b, "! (when checking argument for ", op.schema().name(), ")");
 }
 
+// ---------------------------------------------------------------- CUDA graph capture
+//
+// As on a GPU, work issued while a graph is being captured is recorded, not run: each op's
+// results are allocated with the shapes its Meta kernel computes (their contents undefined until
+// a replay, as CUDA's), and the op, its arguments (the same device tensors) and its results are
+// kept. A replay runs the recorded ops again in order, writing into the same result tensors, so
+// new values in the captured inputs give new outputs. Capture is process-wide (autograd's device
+// threads issue a captured backward pass). What a GPU refuses while capturing (copies to or
+// from the host, synchronisation, data-dependent shapes) raises CUDA's error.
+
+struct CapturedGraph {
+  std::vector<std::function<void()>> steps;
+};
+static std::mutex g_graphs_mu;
+static std::map<int64_t, CapturedGraph> g_graphs;
+static int64_t g_next_graph = 1;
+static std::atomic<int64_t> g_capturing{0};   // the graph being captured, 0 if none
+static std::atomic<bool> g_capture_failed{false};
+
+static bool capturing() { return g_capturing.load(std::memory_order_relaxed) != 0; }
+
+[[noreturn]] static void refuse_during_capture() {
+  g_capture_failed = true;
+  const bool amd = config().amd;
+  const char* api = amd ? "HIP" : "CUDA";
+  TORCH_CHECK(false, api, " error: operation not permitted when stream is capturing\n", api,
+      " kernel errors might be asynchronously reported at some other API call, so the stacktrace below might be "
+      "incorrect.\nFor debugging consider passing ", api, "_LAUNCH_BLOCKING=1\nCompile with `TORCH_USE_", amd ? "HIP" : "CUDA",
+      "_DSA` to enable device-side assertions.\n");
+}
+
+static void record_step(std::function<void()> step) {
+  std::lock_guard<std::mutex> g(g_graphs_mu);
+  g_graphs[g_capturing.load()].steps.push_back(std::move(step));
+}
+
+// Records one op issued during capture and leaves its (not yet computed) results on the stack.
+static void capture_op(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const size_t num_args = op.schema().arguments().size();
+  const size_t base = stack->size() - num_args;
+  std::vector<c10::IValue> inputs(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
+  std::vector<std::pair<at::Tensor, at::Tensor>> metas;  // (meta stand-in, device tensor)
+  DeviceIndex target = tl_device;
+  auto to_meta = [&](const at::Tensor& t) -> at::Tensor {
+    if (!t.defined() || !t.is_cuda()) {
+      if (t.defined() && t.dim() > 0) refuse_during_capture();  // a host tensor in device work
+      return t;
+    }
+    target = t.device().index();
+    at::Tensor m = at::empty_strided(t.sizes(), t.strides(), t.options().device(c10::kMeta));
+    metas.emplace_back(m, t);
+    return m;
+  };
+  for (size_t i = base; i < stack->size(); ++i) {
+    c10::IValue& iv = (*stack)[i];
+    if (iv.isTensor()) {
+      iv = to_meta(iv.toTensor());
+    } else if (iv.isTensorList() || iv.isList()) {
+      map_tensor_lists(iv, to_meta);
+    } else if (iv.isOptionalTensorList()) {
+      auto list = iv.toOptionalTensorList();
+      for (size_t j = 0; j < list.size(); ++j) {
+        std::optional<at::Tensor> e = list[j];
+        if (e.has_value()) list[j] = to_meta(*e);
+      }
+      iv = std::move(list);
+    } else if (iv.isDevice() && iv.toDevice().is_cuda()) {
+      iv = c10::IValue(c10::Device(c10::kMeta));
+    }
+  }
+  try {
+    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), stack);
+  } catch (...) {  // c10::Error, or a Python meta function's exception
+    refuse_during_capture();  // no shape without the data (nonzero, item, ...): the GPU syncs
+  }
+  std::vector<std::pair<at::Tensor, size_t>> fresh;  // results the replay copies in, by position
+  const size_t num_returns = op.schema().returns().size();
+  const size_t ret_base = stack->size() - num_returns;
+  for (size_t i = 0; i < num_returns; ++i) {
+    c10::IValue& iv = (*stack)[ret_base + i];
+    if (!iv.isTensor()) refuse_during_capture();  // a host value from device data
+    const at::Tensor m = iv.toTensor();
+    at::Tensor result;
+    for (auto& [meta, device] : metas) {
+      if (meta.unsafeGetTensorImpl() == m.unsafeGetTensorImpl()) result = device;
+    }
+    if (!result.defined()) {
+      for (auto& [meta, device] : metas) {
+        if (meta.storage().is_alias_of(m.storage())) result = on_storage(device.storage(), m);
+      }
+    }
+    if (!result.defined()) {
+      result = at::empty_strided(m.sizes(), m.strides(), m.options().device(c10::Device(DeviceType::CUDA, target)));
+      fresh.emplace_back(result, i);
+    }
+    iv = result;
+  }
+  record_step([op, inputs, fresh] {
+    torch::jit::Stack replay(inputs.begin(), inputs.end());
+    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CUDA), &replay);
+    for (const auto& [captured, position] : fresh) {
+      at::Tensor into = captured;
+      into.copy_(replay[position].toTensor());
+    }
+  });
+}
+
 static void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  if (capturing()) return capture_op(op, stack);
   const auto& args = op.schema().arguments();
   const size_t num_args = args.size();
   const size_t base = stack->size() - num_args;
@@ -755,6 +865,14 @@ static at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
 
 // Any direction between host and device, or between devices: the bytes are all host memory.
 static at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool) {
+  if (capturing()) {
+    if (!self.is_cuda() || !src.is_cuda()) refuse_during_capture();  // a host copy syncs the stream
+    record_step([self, src] {
+      at::Tensor into = self;
+      into.copy_(src);
+    });
+    return self;
+  }
   at::Tensor dst_cpu = self.is_cuda() ? cpu_alias(self) : self;
   at::Tensor src_cpu = src.is_cuda() ? cpu_alias(src) : src;
   BusyTimer busy(self.is_cuda() ? self.device().index() : src.is_cuda() ? src.device().index() : -1);
@@ -945,6 +1063,41 @@ TORCH_LIBRARY(mirage, m) {
   m.def("memory_fraction(int device) -> float", [](int64_t device) -> double {
     mirage::check_index(static_cast<c10::DeviceIndex>(device));
     return mirage::fraction_ppb(static_cast<c10::DeviceIndex>(device)) / 1e9;
+  });
+  m.def("graph_capture_begin() -> int", []() -> int64_t {
+    std::lock_guard<std::mutex> g(mirage::g_graphs_mu);
+    TORCH_CHECK(!mirage::capturing(), "Cannot capture a new graph while another one is being captured");
+    const int64_t id = mirage::g_next_graph++;
+    mirage::g_graphs[id];
+    mirage::g_capture_failed = false;
+    mirage::g_capturing = id;
+    return id;
+  });
+  m.def("graph_capture_end(int graph) -> ()", [](int64_t graph) {
+    TORCH_CHECK(mirage::g_capturing.load() == graph, "graph ", graph, " is not being captured");
+    mirage::g_capturing = 0;
+    if (mirage::g_capture_failed.exchange(false)) {
+      const char* api = mirage::config().amd ? "HIP" : "CUDA";
+      TORCH_CHECK(false, api, " error: operation failed due to a previous error during capture");
+    }
+  });
+  m.def("graph_capturing() -> bool", []() { return mirage::capturing(); });
+  m.def("graph_check_not_capturing() -> ()", []() {
+    if (mirage::capturing()) mirage::refuse_during_capture();
+  });
+  m.def("graph_replay(int graph) -> ()", [](int64_t graph) {
+    std::vector<std::function<void()>> steps;
+    {
+      std::lock_guard<std::mutex> g(mirage::g_graphs_mu);
+      auto it = mirage::g_graphs.find(graph);
+      TORCH_CHECK(it != mirage::g_graphs.end(), "Called CUDAGraph::replay without a preceding successful capture.");
+      steps = it->second.steps;
+    }
+    for (auto& step : steps) step();
+  });
+  m.def("graph_reset(int graph) -> ()", [](int64_t graph) {
+    std::lock_guard<std::mutex> g(mirage::g_graphs_mu);
+    mirage::g_graphs.erase(graph);
   });
   m.def("busy_time_ns(int device) -> int", [](int64_t device) -> int64_t {
     mirage::check_index(static_cast<c10::DeviceIndex>(device));

@@ -130,3 +130,58 @@ def test_caching_allocator_raw_blocks_and_runtime_error_strings():
     torch.cuda.check_error(0)
     with torch.cuda.profiler.profile():
         pass
+
+
+def test_a_cuda_graph_replays_its_captured_work_on_new_input_values():
+    static_in = torch.ones(4, device="cuda")
+    weight = torch.full((4,), 2.0, device="cuda")
+    state = torch.zeros(2, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
+        assert torch.cuda.is_current_stream_capturing()
+        static_out = (static_in * weight).relu()
+        total = static_out.sum()
+        state.add_(1)  # captured, not run: a GPU runs it once per replay
+    assert not torch.cuda.is_current_stream_capturing()
+    assert state.cpu().tolist() == [0.0, 0.0]
+    static_in.copy_(torch.tensor([1.0, -2.0, 3.0, 4.0]))
+    graph.replay()
+    assert static_out.cpu().tolist() == [2.0, 0.0, 6.0, 8.0] and total.item() == 16.0
+    static_in.fill_(5.0)
+    graph.replay()
+    assert static_out.cpu().tolist() == [10.0] * 4 and total.item() == 40.0
+    assert state.cpu().tolist() == [2.0, 2.0]
+    second = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(second, pool=graph.pool()):  # sharing the first graph's pool is accepted
+        doubled = static_out * 2
+    second.replay()
+    assert doubled.cpu().tolist() == [20.0] * 4
+
+
+def test_what_a_gpu_refuses_during_capture_raises_its_error():
+    x = torch.ones(4, device="cuda")
+    with pytest.raises(RuntimeError, match="operation failed due to a previous error during capture") as caught:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            x.sum().item()  # a device-to-host copy and a sync
+    assert "HIP error: operation not permitted when stream is capturing" in str(caught.value.__context__)
+    with pytest.raises(RuntimeError, match="operation failed due to a previous error"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            torch.cuda.synchronize()
+    assert not torch.cuda.is_current_stream_capturing()
+    # torch.cuda.graph's __exit__ leaves its capture stream current when capture_end raises, as
+    # on a GPU; later tests expect the default one.
+    torch.cuda.set_stream(torch.cuda.default_stream())
+
+
+def test_make_graphed_callables_trains_with_the_cpu_gradients():
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    model = copy.deepcopy(reference).cuda()
+    graphed = torch.cuda.make_graphed_callables(model, (torch.randn(3, 4, device="cuda"),))
+    data = torch.randn(3, 4)
+    out = graphed(data.cuda())
+    out.sum().backward()
+    reference(data).sum().backward()
+    torch.testing.assert_close(out.cpu(), reference(data))
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.grad.cpu(), theirs.grad)
