@@ -137,3 +137,43 @@ def install(torch: ModuleType, profile: Profile) -> None:
 
     C._cuda_getStreamFromExternal = stream_from_external
     _TunableOp(profile).bind(C)
+    _give_mem_pools(torch)
+
+
+def _give_mem_pools(torch: ModuleType) -> None:
+    """torch.cuda.MemPool and use_mem_pool: accepted. A pool has its id and use count; what is
+    allocated inside `use_mem_pool` comes from the device's one allocator (the emulated allocator
+    keeps no separate pools, so a pool's own snapshot is not available)."""
+    memory = torch.cuda.memory
+    pool_ids = iter(range(1, 1 << 62))
+    active: dict[tuple[int, int], int] = {}
+
+    class EmulatedMemPool:
+        """The native half of torch.cuda.MemPool (torch._C._MemPool on a GPU build)."""
+
+        def __init__(self, allocator=None, is_user_created=True, use_on_oom=False, no_split=False):
+            self._id = (0, next(pool_ids)) if is_user_created else (next(pool_ids), 0)
+            self._allocator = allocator
+
+        @property
+        def id(self) -> tuple[int, int]:
+            return self._id
+
+        @property
+        def allocator(self):
+            return self._allocator
+
+        def use_count(self) -> int:
+            return 1 + active.get(self._id, 0)
+
+    def begin(device: int, pool_id) -> None:
+        active[tuple(pool_id)] = active.get(tuple(pool_id), 0) + 1
+
+    def end(device: int, pool_id) -> None:
+        active[tuple(pool_id)] = max(0, active.get(tuple(pool_id), 0) - 1)
+
+    memory.MemPool.__bases__ = (EmulatedMemPool,)
+    for module in (torch._C, memory):  # torch.cuda.memory imported these by name
+        module._cuda_beginAllocateCurrentThreadToPool = begin
+        module._cuda_endAllocateToPool = end
+        module._cuda_releasePool = lambda device, pool_id: None

@@ -185,3 +185,12 @@ def test_make_graphed_callables_trains_with_the_cpu_gradients():
     torch.testing.assert_close(out.cpu(), reference(data))
     for ours, theirs in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(ours.grad.cpu(), theirs.grad)
+
+
+def test_a_mem_pool_routes_allocations_inside_use_mem_pool():
+    pool = torch.cuda.MemPool()
+    assert pool.id[0] == 0 and pool.use_count() == 1
+    with torch.cuda.use_mem_pool(pool):
+        assert pool.use_count() == 2
+        inside = torch.ones(16, device="cuda")
+    assert pool.use_count() == 1 and inside.sum().item() == 16
