@@ -40,6 +40,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <string>
 #include <map>
 #include <functional>
 #include <cstdlib>
@@ -631,6 +632,85 @@ struct Aliased {
       " and ", b, "! (when checking argument for ", op.schema().name(), ")");
 }
 
+// ---------------------------------------------------------------- CUDA IPC
+//
+// A device tensor sent to another process of the session (torch.multiprocessing) shares its
+// memory, as CUDA IPC does. On first share, the storage's bytes move into a named shared-memory
+// segment (/mirage-<uid>-<session>.ipc-<pid>-<n>) that replaces its memory in place, so every
+// tensor on that storage keeps working; the receiver maps the segment. The sender's process
+// owns (and is charged for) the memory; the segment's name goes when the sender frees it, and a
+// receiver's mapping stays valid until it lets go, as CUDA IPC memory outlives neither.
+
+struct SharedSegment {
+  std::string name;
+  void* base;
+  size_t nbytes;
+  DeviceIndex device;
+  bool owner;  // the sending process: unlinks the name and is charged for the bytes
+};
+
+static void release_segment(void* ctx) {
+  auto* seg = static_cast<SharedSegment*>(ctx);
+  munmap(seg->base, seg->nbytes);
+  if (seg->owner) {
+    shm_unlink(seg->name.c_str());
+    refund(seg->device, static_cast<int64_t>(seg->nbytes));
+  }
+  delete seg;
+}
+
+static std::string ipc_prefix() {
+  const char* session = std::getenv("MIRAGE_SESSION");
+  return "/mirage-" + std::to_string(getuid()) + "-" + (session && *session ? session : "nosession") + ".ipc-" +
+         std::to_string(getpid()) + "-";
+}
+
+static void* map_segment(const std::string& name, size_t nbytes, bool create) {
+  const int fd = shm_open(name.c_str(), O_RDWR | (create ? O_CREAT | O_EXCL : 0), 0600);
+  if (fd < 0) return nullptr;
+  const bool sized = !create || posix_fallocate(fd, 0, static_cast<off_t>(nbytes)) == 0;
+  void* base = sized ? mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+  close(fd);
+  if (base == MAP_FAILED && create) shm_unlink(name.c_str());
+  return base == MAP_FAILED ? nullptr : base;
+}
+
+// The segment name of `t`'s storage, moving the storage into a segment on first share.
+static std::string share_storage(const at::Tensor& t) {
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  const c10::DataPtr& current = storage->data_ptr();
+  if (current.get_deleter() == &release_segment) {
+    return static_cast<SharedSegment*>(current.get_context())->name;
+  }
+  static std::atomic<int64_t> next{0};
+  const size_t nbytes = storage->nbytes();
+  const DeviceIndex dev = t.device().index();
+  const std::string name = ipc_prefix() + std::to_string(next++);
+  void* base = map_segment(name, nbytes, true);
+  TORCH_CHECK_WITH(OutOfMemoryError, base, "mirage: could not place ", format_size(static_cast<int64_t>(nbytes)),
+      " of shared GPU memory in /dev/shm for CUDA IPC (is it full? `df -h /dev/shm`)");
+  std::memcpy(base, storage->data(), nbytes);
+  charge(dev, static_cast<int64_t>(nbytes));  // the old memory is refunded as it is released below
+  auto* seg = new SharedSegment{name, base, nbytes, dev, true};
+  storage->set_data_ptr_noswap(c10::DataPtr(base, seg, &release_segment, c10::Device(DeviceType::CUDA, dev)));
+  return name;
+}
+
+// A device tensor (uint8, nbytes) over a segment another process of the session shared.
+static at::Tensor open_shared(const std::string& name, int64_t nbytes, DeviceIndex dev) {
+  check_index(dev);
+  void* base = map_segment(name, static_cast<size_t>(nbytes), false);
+  TORCH_CHECK(base, "mirage: the CUDA tensor's memory is gone: the sending process freed it (or exited) before "
+      "this one received it. Keep a CUDA tensor alive in the sender until the receiver has it, as CUDA IPC requires.");
+  auto* seg = new SharedSegment{name, base, static_cast<size_t>(nbytes), dev, false};
+  c10::Storage storage(c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), nbytes,
+      c10::DataPtr(base, seg, &release_segment, c10::Device(DeviceType::CUDA, dev)), &device_allocators()[dev], false));
+  auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CUDA),
+      caffe2::TypeMeta::Make<uint8_t>());
+  impl->set_sizes_contiguous({nbytes});
+  return at::Tensor(std::move(impl));
+}
+
 // ---------------------------------------------------------------- CUDA graph capture
 //
 // As on a GPU, work issued while a graph is being captured is recorded, not run: each op's
@@ -1064,6 +1144,11 @@ TORCH_LIBRARY(mirage, m) {
     mirage::check_index(static_cast<c10::DeviceIndex>(device));
     return mirage::fraction_ppb(static_cast<c10::DeviceIndex>(device)) / 1e9;
   });
+  m.def("share_storage_memory(Tensor t) -> str", [](const at::Tensor& t) { return mirage::share_storage(t); });
+  m.def("open_shared_storage(str name, int nbytes, int device) -> Tensor",
+        [](const std::string& name, int64_t nbytes, int64_t device) {
+          return mirage::open_shared(name, nbytes, static_cast<c10::DeviceIndex>(device));
+        });
   m.def("graph_capture_begin() -> int", []() -> int64_t {
     std::lock_guard<std::mutex> g(mirage::g_graphs_mu);
     TORCH_CHECK(!mirage::capturing(), "Cannot capture a new graph while another one is being captured");

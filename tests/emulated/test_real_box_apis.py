@@ -194,3 +194,31 @@ def test_a_mem_pool_routes_allocations_inside_use_mem_pool():
         assert pool.use_count() == 2
         inside = torch.ones(16, device="cuda")
     assert pool.use_count() == 1 and inside.sum().item() == 16
+
+
+def _add_ten_in_place(queue, done) -> None:
+    tensor = queue.get()
+    tensor.add_(10)  # in the sender's memory, as with CUDA IPC
+    done.set()
+
+
+def test_a_device_tensor_sent_to_another_process_shares_its_memory():
+    import glob
+    import os
+
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    queue, done = context.Queue(), context.Event()
+    sent = torch.arange(4.0, device="cuda:1")
+    allocated = torch.cuda.memory_allocated(1)
+    receiver = context.Process(target=_add_ten_in_place, args=(queue, done))
+    receiver.start()
+    queue.put(sent)
+    assert done.wait(120)
+    receiver.join(120)
+    assert receiver.exitcode == 0
+    assert sent.cpu().tolist() == [10.0, 11.0, 12.0, 13.0]
+    assert torch.cuda.memory_allocated(1) == allocated  # the sender owns the memory, charged once
+    del sent
+    assert not glob.glob(f"/dev/shm/*.ipc-{os.getpid()}-*")  # the segment went with the sender's tensor
