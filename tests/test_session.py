@@ -231,3 +231,24 @@ def test_sequential_tests_that_each_create_group_0_are_not_a_desync_but_a_real_o
     assert "test 4 ok" in result.stdout and "test 5 ok" not in result.stdout
     assert "collective desync in group '0' at sequence number 1 (different numel)" in result.stderr
     assert "shapes=[[15]], op=SUM) at" in result.stderr and "shapes=[[16]], op=SUM) at" in result.stderr
+
+
+def test_smi_shows_a_busy_gpu_s_utilization_power_and_temperature():
+    script = ("import time, torch\nx = torch.randn(256, 256, device='cuda:1')\nprint('ready', flush=True)\n"
+              "end = time.monotonic() + 15\nwhile time.monotonic() < end:\n    x = (x @ x).tanh()\n")
+    proc = start("--gpus-per-node", "2", "--", "python", "-c", script)
+    try:
+        session = session_of(proc)
+        assert proc.stdout.readline().endswith("ready\n")
+        time.sleep(1.5)  # a few of the service's samples
+        status = json.loads(mirage("smi", "--session", session, "--json").stdout)
+        idle, busy = sorted(status["gpus"], key=lambda g: g["gpu"])
+        assert idle["utilization_percent"] == 0 and idle["power_watts"] == 150 and idle["temperature_c"] == 35
+        assert busy["utilization_percent"] >= 50, busy
+        assert busy["power_watts"] > 150 and busy["temperature_c"] > 35 and busy["clock_mhz"] == 2200
+        table = mirage("smi", "--session", session).stdout
+        assert "UTIL" in table and "POWER" in table and "150 W" in table
+    finally:
+        proc.kill()
+        proc.wait()
+        mirage("cleanup")

@@ -17,6 +17,7 @@ fast with "mirage daemon died" instead of hanging. Requests are JSON lines:
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import socket
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from mirage.daemon import shared_table
+from mirage.profiles import Profile, temperature_celsius
 from mirage.daemon.flight_recorder import FlightRecorder
 from mirage.daemon.protocol import SOCKET_NAME, STACK_SIGNAL, stack_path
 
@@ -63,6 +65,9 @@ class SessionService:
     _table: shared_table.SharedTable | None = None
     _stopping: threading.Event = field(default_factory=threading.Event)
     peaks: dict[tuple[int, int], int] = field(default_factory=dict)
+    profile: Profile | None = None  # for the modelled power and the clock `mirage smi` shows
+    # (monotonic time, busy ns) per GPU, sampled by the reaper every REAP_INTERVAL_SECONDS
+    _busy_samples: dict[tuple[int, int], collections.deque] = field(default_factory=dict)
 
     @property
     def socket_path(self) -> Path:
@@ -161,8 +166,12 @@ class SessionService:
                 used, peak = table.gpu_usage(node, gpu) if table else (0, 0)
                 users = [{"pid": v.pid, "rank": v.rank if v.rank >= 0 else None, "bytes": v.bytes_per_gpu[gpu]}
                          for _, v in slots if v.node == node and v.bytes_per_gpu[gpu]]
+                busy = self.utilization(node, gpu)
+                figures = {"utilization_percent": round(100 * busy), "temperature_c": temperature_celsius(busy),
+                           "power_watts": round(self.profile.power_watts(busy)) if self.profile else None,
+                           "clock_mhz": round(self.profile.clock_ghz * 1000) if self.profile else None}
                 gpus.append({"node": node, "gpu": gpu, "name": self.torch_name, "used_bytes": used,
-                             "peak_bytes": peak, "total_bytes": self.capacity, "processes": users})
+                             "peak_bytes": peak, "total_bytes": self.capacity, **figures, "processes": users})
         ranks = [{"rank": r.rank, "pid": r.pid, "node": r.node,
                   "last_collective": self.recorder.last_collective(r.rank)}
                  for r in sorted(processes.values(), key=lambda r: (r.rank is None, r.rank or 0, r.pid))]
@@ -202,9 +211,20 @@ class SessionService:
             if view.pid == pid:
                 self._table.release(slot)
 
+    def utilization(self, node: int, gpu: int) -> float:
+        """The share of the last sample period (at least 1/6 s, NVML's shortest, and at most the
+        sampling history) in which the GPU ran kernels; 0 before two samples exist."""
+        samples = list(self._busy_samples.get((node, gpu), ()))
+        if not samples or self._table is None:
+            return 0.0
+        now, busy = time.monotonic(), self._table.gpu_busy_ns(node, gpu)
+        older = [sample for sample in samples if now - sample[0] >= 1 / 6] or samples[:1]
+        then, busy_then = older[-1]
+        return min(1.0, max(0.0, (busy - busy_then) / 1e9 / max(now - then, 1e-9)))
+
     def _reap_dead(self) -> None:
         """Frees the slots of processes that died without closing a connection (never attached,
-        or killed between claiming a slot and saying hello)."""
+        or killed between claiming a slot and saying hello); samples each GPU's busy time."""
         while not self._stopping.wait(REAP_INTERVAL_SECONDS):
             table = self._table
             if table is None:
@@ -212,6 +232,11 @@ class SessionService:
             for slot, view in table.slots():
                 if not _alive(view.pid):
                     table.release(slot)
+            now = time.monotonic()
+            for node in range(self.num_nodes):
+                for gpu in range(self.gpus_per_node):
+                    history = self._busy_samples.setdefault((node, gpu), collections.deque(maxlen=4))
+                    history.append((now, table.gpu_busy_ns(node, gpu)))
 
 
 def _alive(pid: int) -> bool:

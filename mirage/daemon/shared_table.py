@@ -9,6 +9,7 @@ Layout, all little-endian int64 (mirage_shim.cpp's SharedTable mirrors it):
     header  [magic, version, num_nodes, gpus_per_node, max_slots, capacity, slot high-water, 0]
     gpus    num_nodes * gpus_per_node x [peak bytes]
     slots   max_slots x [pid, node, rank, 0, bytes in use on each GPU of its node...]
+    busy    num_nodes * gpus_per_node x [ns spent running kernels, by all processes]
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MAGIC = 0x6D6972616765  # "mirage"
-VERSION = 1
+VERSION = 2
 HEADER_WORDS = 8
 SLOT_HEAD_WORDS = 4
 MAX_SLOTS = 256
@@ -51,7 +52,7 @@ class SharedTable:
     @classmethod
     def create(cls, path: Path, num_nodes: int, gpus_per_node: int, capacity: int) -> "SharedTable":
         num_gpus = num_nodes * gpus_per_node
-        words = HEADER_WORDS + num_gpus + MAX_SLOTS * (SLOT_HEAD_WORDS + gpus_per_node)
+        words = HEADER_WORDS + num_gpus + MAX_SLOTS * (SLOT_HEAD_WORDS + gpus_per_node) + num_gpus
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, words * 8)
@@ -97,6 +98,10 @@ class SharedTable:
         """(bytes in use, peak bytes) of one emulated GPU, all processes together."""
         used = sum(v.bytes_per_gpu[gpu] for _, v in self.slots() if v.node == node)
         return used, self._word(HEADER_WORDS + node * self.gpus_per_node + gpu)
+
+    def gpu_busy_ns(self, node: int, gpu: int) -> int:
+        """Nanoseconds one emulated GPU has spent running kernels, all processes together."""
+        return self._word(self._slot_base(MAX_SLOTS) + node * self.gpus_per_node + gpu)
 
     def release(self, slot: int) -> None:
         """Frees a dead process's slot, which returns its memory to its GPUs."""

@@ -244,7 +244,8 @@ def run_session(request: RunRequest) -> int:
 
             recorder = FlightRecorder(request.hang_timeout, diagnosis)
             service = SessionService(session_id, session_dir, profile.name, profile.torch_name, profile.memory_bytes,
-                                     request.num_nodes, gpus, lambda node: node_environment(node, True), recorder)
+                                     request.num_nodes, gpus, lambda node: node_environment(node, True), recorder,
+                                     profile=profile)
             recorder.locate = service.stack_of
             try:
                 service.start()

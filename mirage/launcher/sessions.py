@@ -70,10 +70,12 @@ def ps_table(sessions: list[dict]) -> str:
 def smi_table(status: dict) -> str:
     header = (f"mirage smi - session {status['session']} ({status['profile']}, "
               f"{status['num_nodes']} node(s) x {status['gpus_per_node']} GPUs)")
-    rows = [("NODE", "GPU", "NAME", "MEMORY USED / TOTAL", "PROCESSES (pid:rank)")]
+    rows = [("NODE", "GPU", "NAME", "UTIL", "POWER", "TEMP", "MEMORY USED / TOTAL", "PROCESSES (pid:rank)")]
     for g in status["gpus"]:
         users = " ".join(f"{p['pid']}:{p['rank'] if p['rank'] is not None else '-'}" for p in g["processes"]) or "-"
-        rows.append((str(g["node"]), str(g["gpu"]), g["name"], f"{_size(g['used_bytes'])} / {_size(g['total_bytes'])}", users))
+        power = f"{g['power_watts']} W" if g.get("power_watts") is not None else "-"
+        rows.append((str(g["node"]), str(g["gpu"]), g["name"], f"{g['utilization_percent']}%", power,
+                     f"{g['temperature_c']} C", f"{_size(g['used_bytes'])} / {_size(g['total_bytes'])}", users))
     ranks = [("RANK", "PID", "NODE", "LAST COLLECTIVE")]
     for p in status["processes"]:
         ranks.append((str(p["rank"]) if p["rank"] is not None else "-", str(p["pid"]), str(p["node"]),

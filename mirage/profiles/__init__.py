@@ -45,6 +45,20 @@ class Profile:
     def is_amd(self) -> bool:
         return self.vendor == "amd"
 
+    def power_watts(self, busy_fraction: float) -> float:
+        """Modelled board power at a utilization (0..1): 15% of the board power idle, rising
+        linearly to all of it at full load (for torch.cuda.power_draw and `mirage smi`)."""
+        return self.board_power_watts * (IDLE_POWER_FRACTION + (1 - IDLE_POWER_FRACTION) * busy_fraction)
+
+
+IDLE_POWER_FRACTION = 0.15
+IDLE_CELSIUS, FULL_LOAD_CELSIUS = 35, 80
+
+
+def temperature_celsius(busy_fraction: float) -> int:
+    """Modelled GPU temperature at a utilization (0..1): 35 C idle, 80 C at full load."""
+    return round(IDLE_CELSIUS + (FULL_LOAD_CELSIUS - IDLE_CELSIUS) * busy_fraction)
+
 
 # field name -> (accepted types, human description)
 _FIELDS: dict[str, tuple[tuple[type, ...], str]] = {

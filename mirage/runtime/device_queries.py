@@ -5,8 +5,8 @@ On a real box torch asks pynvml (NVIDIA) or amdsmi (AMD), which have no device t
 What each returns (documented in the README):
 
 - utilization, memory_usage: the percent of the time since the previous query (at least 1/6 s
-  back, NVML's shortest sample period) during which this process ran work on the device: the
-  shim's op path times every kernel into the device's busy time. Emulated kernels are CPU loops over memory, so the two
+  back, NVML's shortest sample period) during which work ran on the device, by any process of
+  the session: the shim's op path times every kernel into the device's busy time. Emulated kernels are CPU loops over memory, so the two
   are the same figure.
 - power_draw: a model, 15% of the profile's board power idle rising linearly to all of it at
   100% utilization; in milliwatts on NVIDIA profiles (NVML) and watts on AMD ones (amdsmi's
@@ -21,11 +21,9 @@ from __future__ import annotations
 import time
 from types import ModuleType
 
-from mirage.profiles import Profile
+from mirage.profiles import Profile, temperature_celsius
 
 _SHORTEST_SAMPLE_PERIOD_S = 1 / 6  # NVML's
-_IDLE_POWER_FRACTION = 0.15
-_IDLE_CELSIUS, _FULL_LOAD_CELSIUS = 35, 80
 
 
 def install(torch: ModuleType, profile: Profile) -> None:
@@ -51,11 +49,10 @@ def install(torch: ModuleType, profile: Profile) -> None:
         return round(100 * busy_fraction(device))
 
     def temperature(device=None) -> int:
-        return round(_IDLE_CELSIUS + (_FULL_LOAD_CELSIUS - _IDLE_CELSIUS) * busy_fraction(device))
+        return temperature_celsius(busy_fraction(device))
 
     def power_draw(device=None) -> int:
-        load = _IDLE_POWER_FRACTION + (1 - _IDLE_POWER_FRACTION) * busy_fraction(device)
-        watts = profile.board_power_watts * load
+        watts = profile.power_watts(busy_fraction(device))
         return round(watts if profile.is_amd else watts * 1000)
 
     def clock_rate(device=None) -> int:

@@ -98,6 +98,8 @@ struct DeviceCounters {
 };
 static std::array<DeviceCounters, kMaxDevices> g_counters;
 
+static void add_busy(DeviceIndex device, int64_t ns);
+
 // Measures one piece of device work into the device's busy time.
 class BusyTimer {
  public:
@@ -105,8 +107,7 @@ class BusyTimer {
   ~BusyTimer() {
     if (device_ < 0 || device_ >= kMaxDevices) return;
     const auto spent = std::chrono::steady_clock::now() - start_;
-    g_counters[device_].busy_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(spent).count(),
-                                          std::memory_order_relaxed);
+    add_busy(device_, std::chrono::duration_cast<std::chrono::nanoseconds>(spent).count());
   }
   BusyTimer(const BusyTimer&) = delete;
   BusyTimer& operator=(const BusyTimer&) = delete;
@@ -139,6 +140,9 @@ struct SharedTable {
   static constexpr int64_t kMagic = 0x6d6972616765;  // "mirage"
   static constexpr int64_t kHeader = 8, kSlotHead = 4, kHighWater = 6;
   int64_t* gpu_peak(DeviceIndex dev) const { return words + kHeader + node * gpus_per_node + dev; }
+  int64_t* gpu_busy(DeviceIndex dev) const {  // after the slots (shared_table.py)
+    return slot_at(max_slots) + node * gpus_per_node + dev;
+  }
   int64_t* slot_at(int64_t i) const {
     return words + kHeader + words[2] * gpus_per_node + i * (kSlotHead + gpus_per_node);
   }
@@ -288,6 +292,17 @@ static void refund(DeviceIndex dev, int64_t n) {
   c.allocated.fetch_sub(n, std::memory_order_relaxed);
   c.num_frees.fetch_add(1, std::memory_order_relaxed);
   c.bytes_freed_total.fetch_add(n, std::memory_order_relaxed);
+}
+
+static void add_busy(DeviceIndex device, int64_t ns) {
+  g_counters[device].busy_ns.fetch_add(ns, std::memory_order_relaxed);
+  if (g_shared.words) SharedTable::at(g_shared.gpu_busy(node_gpu(device))).fetch_add(ns, std::memory_order_relaxed);
+}
+
+// The device's busy time: all processes of the session on that GPU, or this one without a service.
+static int64_t busy_time(DeviceIndex device) {
+  if (g_shared.words) return SharedTable::at(g_shared.gpu_busy(node_gpu(device))).load(std::memory_order_relaxed);
+  return g_counters[device].busy_ns.load(std::memory_order_relaxed);
 }
 
 static const int g_attached = (attach_shared_table(), 0);
@@ -1186,6 +1201,6 @@ TORCH_LIBRARY(mirage, m) {
   });
   m.def("busy_time_ns(int device) -> int", [](int64_t device) -> int64_t {
     mirage::check_index(static_cast<c10::DeviceIndex>(device));
-    return mirage::g_counters[device].busy_ns.load(std::memory_order_relaxed);
+    return mirage::busy_time(static_cast<c10::DeviceIndex>(device));
   });
 }
