@@ -127,6 +127,12 @@ def install(torch: ModuleType, profile: Profile) -> None:
     C._cuda_ipc_collect = lambda: None
     C._host_emptyCache = lambda: None  # pinned host memory is not cached
 
+    def jiterator_launch(*args, **kwargs):
+        raise RuntimeError("mirage: torch.cuda.jiterator kernels are CUDA C++ that a GPU build compiles with NVRTC "
+                           "when first called; emulated GPUs cannot run them (write the operation with torch ops)")
+
+    C._cuda_jiterator_compile_and_launch_kernel = jiterator_launch
+
     # Opaque library handles, one per device, stable for the process (as cuBLAS/cuSOLVER's are).
     C._cuda_getCurrentBlasHandle = lambda: 0x10000 + cuda.current_device()
     C._cuda_getCurrentSolverHandle = lambda: 0x20000 + cuda.current_device()

@@ -89,7 +89,7 @@ CALLS = {
     "initial_seed": cuda.initial_seed, "ipc_collect": cuda.ipc_collect, "is_available": cuda.is_available,
     "is_bf16_supported": cuda.is_bf16_supported, "is_current_stream_capturing": cuda.is_current_stream_capturing,
     "is_initialized": cuda.is_initialized, "is_tf32_supported": cuda.is_tf32_supported,
-    "jiterator": lambda: cuda.jiterator._create_jit_fn("template <typename T> T f(T x) { return x * 2; }"),
+    "jiterator": lambda: cuda.jiterator._create_jit_fn("template <typename T> T f(T x) { return x * 2; }")(t()),
     "list_gpu_processes": cuda.list_gpu_processes,
     "make_graphed_callables": lambda: cuda.make_graphed_callables(torch.nn.Linear(4, 4).cuda(), (t(2, 4),)),
     "manual_seed": lambda: cuda.manual_seed(1), "manual_seed_all": lambda: cuda.manual_seed_all(1),
