@@ -220,6 +220,9 @@ def test_collectives_that_do_not_match_end_the_session_naming_each_call(tmp_path
     # point-to-point: a receive nobody sends to
     ("dist.recv(t, 1) if rank == 0 else dist.send(t, 0)", ["--env", "TORCH_NCCL_BLOCKING_WAIT=1"], 1,
      ["OpType=RECV", "group rank(s) 1 never sent to this receive"], "nccl:recv 0<-1"),
+    # TORCH_NCCL_DUMP_ON_TIMEOUT=0: the same timeout, and no trace written
+    ("dist.all_reduce(t)", ["--env", "TORCH_NCCL_DUMP_ON_TIMEOUT=0"], 134, ["Watchdog caught collective operation"],
+     None),
 ])
 def test_an_operation_no_peer_matches_fails_at_the_timeout_as_with_nccl(tmp_path, collective, env, code, expected,
                                                                         expected_op):
@@ -237,6 +240,9 @@ def test_an_operation_no_peer_matches_fails_at_the_timeout_as_with_nccl(tmp_path
     assert result.returncode == code, result.stderr[-3000:]
     for text in expected:
         assert text in result.stderr
+    if expected_op is None:
+        assert not Path(f"{dump_prefix}0").exists()
+        return
     # TORCH_NCCL_DUMP_ON_TIMEOUT is on by default: the flight recorder, as torch's fr_trace reads it
     trace = pickle.loads(Path(f"{dump_prefix}0").read_bytes())
     assert trace["version"] == "2.10"
