@@ -252,3 +252,10 @@ def test_smi_shows_a_busy_gpu_s_utilization_power_and_temperature():
         proc.kill()
         proc.wait()
         mirage("cleanup")
+
+
+def test_ranks_killed_while_waiting_are_not_reported_as_hung():
+    result = mirage("run", "--gpus-per-node", "2", "--hang-timeout", "3", "--", "python",
+                    "tests/workloads/killed_ranks.py", "1", "6", timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "harness carried on" in result.stdout and "hang:" not in result.stderr

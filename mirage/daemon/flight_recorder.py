@@ -88,6 +88,14 @@ class FlightRecorder:
                         f"  rank {rank}: {describe(entry)}")
                     threading.Thread(target=self.on_failure, args=(report, DESYNC_EXIT_CODE), daemon=True).start()
 
+    def process_gone(self, pid: int) -> None:
+        """A process left the session: what it had open no longer waits (a test harness that
+        kills a timed-out test's ranks, then starts the next test's, must not read as a hang)."""
+        with self._lock:
+            for ops in self.open_ops.values():
+                for key in [k for k, e in ops.items() if e.get("pid") == pid]:
+                    del ops[key]
+
     def last_collective(self, rank: int | None) -> str | None:
         with self._lock:
             entry = self.last.get(rank) if rank is not None else None

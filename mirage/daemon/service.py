@@ -127,6 +127,7 @@ class SessionService:
                         self.processes[registered] = Registration(
                             registered, request.get("rank"), int(request.get("node", 0)))
                 elif op == "collective":
+                    request["pid"] = registered
                     self.recorder.record(request)
                 elif op == "status":
                     wfile.write((json.dumps(self.status()) + "\n").encode())
@@ -149,6 +150,7 @@ class SessionService:
             if registered is not None:
                 with self._lock:
                     self.processes.pop(registered, None)
+                self.recorder.process_gone(registered)
                 self._release_if_dead(registered)
             if leased:
                 with self._lock:
