@@ -15,7 +15,7 @@ from types import ModuleType
 
 from mirage import profiles
 from mirage.runtime import (autograd_threads, cuda_comm, cuda_graphs, cuda_ipc, cuda_runtime, device_queries,
-                            distributed, nvtx, visible_devices)
+                            distributed, legacy_tensor_types, nvtx, visible_devices)
 
 # What a ROCm / CUDA build of torch 2.13 reports as its toolkit version.
 _HIP_VERSION = "7.0.51831-a3e329ad8"
@@ -276,4 +276,5 @@ def install(torch: ModuleType) -> None:
     cuda_runtime.install(torch, profile)
     cuda_graphs.install(torch)
     cuda_ipc.install(torch)
+    legacy_tensor_types.install(torch)
     distributed.install(torch)

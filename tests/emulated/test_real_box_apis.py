@@ -222,3 +222,14 @@ def test_a_device_tensor_sent_to_another_process_shares_its_memory():
     assert torch.cuda.memory_allocated(1) == allocated  # the sender owns the memory, charged once
     del sent
     assert not glob.glob(f"/dev/shm/*.ipc-{os.getpid()}-*")  # the segment went with the sender's tensor
+
+
+def test_legacy_tensor_types_construct_on_the_device_and_keep_their_checks():
+    sized = torch.cuda.FloatTensor(2, 3)
+    assert sized.shape == (2, 3) and sized.device == torch.device("cuda", 0) and sized.dtype == torch.float32
+    data = torch.cuda.LongTensor([1, 2], device=1)
+    assert data.device == torch.device("cuda", 1) and data.cpu().tolist() == [1, 2]
+    assert isinstance(data, torch.cuda.LongTensor) and not isinstance(data, torch.cuda.FloatTensor)
+    assert torch.cuda.HalfTensor(torch.Size([4])).shape == (4,) and torch.cuda.BoolTensor().shape == (0,)
+    assert torch.ones(2).type(torch.cuda.DoubleTensor).dtype == torch.float64
+    assert sized.type() == "torch.cuda.FloatTensor" and torch.cuda.FloatTensor(sized) is sized
