@@ -61,7 +61,7 @@ CALLS = {
     "DeferredCudaCallError": lambda: cuda.DeferredCudaCallError("x"),
     "Event": lambda: cuda.Event(enable_timing=True).record(), "ExternalStream": lambda: cuda.ExternalStream(0x1234),
     "Stream": lambda: cuda.Stream(priority=-1).query(), "StreamContext": lambda: cuda.StreamContext(cuda.Stream()),
-    "GreenContext": lambda: cuda.GreenContext.create(1, 0),
+    "GreenContext": lambda: cuda.GreenContext.create(num_sms=1, device_id=0),
     "amp": lambda: cuda.amp, "caching_allocator_alloc": lambda: cuda.caching_allocator_alloc(1024),
     "caching_allocator_delete": lambda: cuda.caching_allocator_delete(cuda.caching_allocator_alloc(1024)),
     "caching_allocator_disabled": lambda: cuda.caching_allocator_disabled().__enter__(),
