@@ -127,6 +127,21 @@ def install(torch: ModuleType, profile: Profile) -> None:
     C._cuda_ipc_collect = lambda: None
     C._host_emptyCache = lambda: None  # pinned host memory is not cached
 
+    def host_memory_stats() -> dict:
+        """The caching host allocator's statistics over the shim's pinned-memory counts (no block
+        is cached, so allocations are active requests and no alloc/free time is spent waiting)."""
+        counts = torch.ops.mirage.host_memory_counts()
+        blocks, counted = counts[:4], counts[4:]
+        stat = lambda v: dict(zip(("current", "peak", "allocated", "freed"), v))  # noqa: E731
+        timing = {"total": 0, "max": 0, "min": 0, "count": 0, "avg": 0}
+        return {"allocations": stat(blocks), "allocated_bytes": stat(counted), "active_requests": stat(blocks),
+                "active_bytes": stat(counted), "num_host_alloc": blocks[2], "num_host_free": blocks[3],
+                "host_alloc_time": dict(timing, count=blocks[2]), "host_free_time": dict(timing, count=blocks[3])}
+
+    C._cuda_hostMemoryStats = host_memory_stats
+    C._cuda_resetPeakHostMemoryStats = lambda: torch.ops.mirage.reset_host_memory_counts(True)
+    C._cuda_resetAccumulatedHostMemoryStats = lambda: torch.ops.mirage.reset_host_memory_counts(False)
+
     def jiterator_launch(*args, **kwargs):
         raise RuntimeError("mirage: torch.cuda.jiterator kernels are CUDA C++ that a GPU build compiles with NVRTC "
                            "when first called; emulated GPUs cannot run them (write the operation with torch ops)")

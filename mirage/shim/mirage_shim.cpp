@@ -28,6 +28,7 @@
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/llvmMathExtras.h>
 #include <torch/csrc/distributed/c10d/reducer_timer.hpp>
 #include <torch/library.h>
 
@@ -46,6 +47,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace mirage {
@@ -410,16 +412,23 @@ static std::array<DeviceMemoryAllocator, kMaxDevices>& device_allocators() {
 }
 REGISTER_ALLOCATOR(DeviceType::CUDA, &g_current_device_allocator);
 
-// Pinned host memory is ordinary host memory; we only remember which pointers were pinned.
+// Pinned host memory is ordinary host memory; we only remember which pointers were pinned, and
+// keep torch.cuda.host_memory_stats' counts (blocks are counted at the next power of two, as the
+// caching host allocator rounds them; nothing is cached, so every block is an active request).
 struct PinnedMemoryAllocator final : c10::Allocator {
   std::mutex mu;
-  std::unordered_set<const void*> live;
+  std::unordered_map<const void*, int64_t> live;  // pointer -> counted (rounded) bytes
+  // current, peak, allocated, freed: blocks, then bytes
+  int64_t blocks[4] = {0, 0, 0, 0}, bytes[4] = {0, 0, 0, 0};
   static void release(void* p);
   c10::DataPtr allocate(size_t n) override {
     void* p = c10::alloc_cpu(n == 0 ? 1 : n);
+    const int64_t counted = static_cast<int64_t>(c10::llvm::PowerOf2Ceil(n == 0 ? 1 : n));
     {
       std::lock_guard<std::mutex> g(mu);
-      live.insert(p);
+      live.emplace(p, counted);
+      blocks[0] += 1, blocks[2] += 1, blocks[1] = std::max(blocks[1], blocks[0]);
+      bytes[0] += counted, bytes[2] += counted, bytes[1] = std::max(bytes[1], bytes[0]);
     }
     return {p, p, &PinnedMemoryAllocator::release, c10::Device(DeviceType::CPU)};
   }
@@ -435,7 +444,12 @@ static PinnedMemoryAllocator g_pinned;
 void PinnedMemoryAllocator::release(void* p) {
   {
     std::lock_guard<std::mutex> g(g_pinned.mu);
-    g_pinned.live.erase(p);
+    auto it = g_pinned.live.find(p);
+    if (it != g_pinned.live.end()) {
+      g_pinned.blocks[0] -= 1, g_pinned.blocks[3] += 1;
+      g_pinned.bytes[0] -= it->second, g_pinned.bytes[3] += it->second;
+      g_pinned.live.erase(it);
+    }
   }
   c10::free_cpu(p);
 }
@@ -1198,6 +1212,21 @@ TORCH_LIBRARY(mirage, m) {
   m.def("graph_reset(int graph) -> ()", [](int64_t graph) {
     std::lock_guard<std::mutex> g(mirage::g_graphs_mu);
     mirage::g_graphs.erase(graph);
+  });
+  m.def("host_memory_counts() -> int[]", []() {
+    std::lock_guard<std::mutex> g(mirage::g_pinned.mu);
+    const auto& p = mirage::g_pinned;
+    return std::vector<int64_t>{p.blocks[0], p.blocks[1], p.blocks[2], p.blocks[3],
+                                p.bytes[0], p.bytes[1], p.bytes[2], p.bytes[3]};
+  });
+  m.def("reset_host_memory_counts(bool peak) -> ()", [](bool peak) {
+    std::lock_guard<std::mutex> g(mirage::g_pinned.mu);
+    auto& p = mirage::g_pinned;
+    if (peak) {
+      p.blocks[1] = p.blocks[0], p.bytes[1] = p.bytes[0];
+    } else {
+      p.blocks[2] = p.blocks[3] = p.bytes[2] = p.bytes[3] = 0;
+    }
   });
   m.def("busy_time_ns(int device) -> int", [](int64_t device) -> int64_t {
     mirage::check_index(static_cast<c10::DeviceIndex>(device));

@@ -233,3 +233,13 @@ def test_legacy_tensor_types_construct_on_the_device_and_keep_their_checks():
     assert torch.cuda.HalfTensor(torch.Size([4])).shape == (4,) and torch.cuda.BoolTensor().shape == (0,)
     assert torch.ones(2).type(torch.cuda.DoubleTensor).dtype == torch.float64
     assert sized.type() == "torch.cuda.FloatTensor" and torch.cuda.FloatTensor(sized) is sized
+
+
+def test_host_memory_stats_count_pinned_blocks_as_the_caching_host_allocator_rounds_them():
+    torch.cuda.reset_accumulated_host_memory_stats()
+    before = torch.cuda.host_memory_stats()["allocations.current"]
+    pinned = torch.empty(1000, pin_memory=True)  # 4000 bytes, counted as 4096
+    stats = torch.cuda.host_memory_stats()
+    assert stats["allocations.current"] == before + 1 and stats["allocated_bytes.allocated"] >= 4096
+    del pinned
+    assert torch.cuda.host_memory_stats()["allocations.freed"] >= 1
