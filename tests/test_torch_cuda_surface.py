@@ -19,8 +19,10 @@ def documented() -> dict[str, tuple[str, str]]:
     return table
 
 
-def test_every_public_name_behaves_as_docs_torch_cuda_md_says():
-    result = mirage("run", "--gpus-per-node", "2", "--", "python", "tests/workloads/torch_cuda_surface.py", timeout=600)
+def test_every_public_name_behaves_as_docs_torch_cuda_md_says(tmp_path):
+    # In a scratch directory: some calls write files where they run (TunableOp's gathered results).
+    result = mirage("run", "--gpus-per-node", "2", "--workdir", str(tmp_path), "--", "python",
+                    str(REPO / "tests" / "workloads" / "torch_cuda_surface.py"), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     seen = {row["name"]: row for row in map(json.loads, result.stdout.splitlines())}
     table = documented()
