@@ -29,6 +29,8 @@ _SHORTEST_SAMPLE_PERIOD_S = 1 / 6  # NVML's
 def install(torch: ModuleType, profile: Profile) -> None:
     cuda = torch.cuda
     started = time.monotonic()
+    # The busy time is the whole session's: what a device had done before this process counts from here.
+    at_start = {d: torch.ops.mirage.busy_time_ns(d) for d in range(cuda.device_count())}
     samples: dict[int, list[tuple[float, int]]] = {}  # device -> (time, busy ns) of earlier calls
 
     def index(device) -> int:
@@ -41,7 +43,7 @@ def install(torch: ModuleType, profile: Profile) -> None:
         d = index(device)
         now, busy = time.monotonic(), torch.ops.mirage.busy_time_ns(d)
         earlier = [s for s in samples.get(d, []) if now - s[0] >= _SHORTEST_SAMPLE_PERIOD_S]
-        since, busy_then = earlier[-1] if earlier else (started, 0)
+        since, busy_then = earlier[-1] if earlier else (started, at_start.get(d, 0))
         samples[d] = [s for s in samples.get(d, []) if s[0] >= since] + [(now, busy)]
         return min(1.0, max(0.0, (busy - busy_then) / 1e9 / max(now - since, 1e-9)))
 
