@@ -197,6 +197,21 @@ def _warn_if_every_gpu_hidden(env: dict[str, str], gpus: int, amd: bool) -> None
                 f"will be 0). Unset it, or pick GPUs 0-{gpus - 1} with --env CUDA_VISIBLE_DEVICES=...")
 
 
+RUN_PID_NAME = "run.pid"
+
+
+def record_run(session_dir: Path) -> None:
+    """Names this process as the session's run: `<pid> <start time>` (the start time tells a
+    reused pid apart)."""
+    (session_dir / RUN_PID_NAME).write_text(f"{os.getpid()} {process_start_time(os.getpid())}\n")
+
+
+def process_start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
 def run_session(request: RunRequest) -> int:
     """Runs the request as one session; returns the exit code for the shell."""
     profile, gpus = validate(request)
@@ -205,6 +220,7 @@ def run_session(request: RunRequest) -> int:
     supervisor.arm_signals()
     session_dir = runtime_root() / session_id
     session_dir.mkdir(mode=0o700)
+    record_run(session_dir)
     service: SessionService | None = None
     exit_code = 1
     try:

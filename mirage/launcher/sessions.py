@@ -1,9 +1,11 @@
 """Commands that act on sessions from outside: ps, smi, exec, cleanup, paths.
 
 A session is found by its socket (`<runtime root>/<session id>/mirage.sock`): one that answers
-a status request is live; a directory whose socket does not answer was left by a run that was
-SIGKILLed, and is what `mirage cleanup` reclaims (its stranded processes, found by the
-MIRAGE_SESSION in their environment, its shared-memory table, its directory).
+a status request is live. A session directory whose socket does not answer AND whose `mirage run`
+process (named in its run.pid) is gone was left by a run that was SIGKILLed: that is what
+`mirage cleanup` reclaims (its stranded processes, found by the MIRAGE_SESSION in their
+environment, its shared-memory table, its directory). The run's pid keeps an `--in-process`
+session (no service) and a service too busy to answer in time from being taken for dead.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 from mirage.daemon import shared_table
 from mirage.daemon.protocol import SOCKET_NAME
 from mirage.daemon.service import request
-from mirage.launcher import runtime_root
+from mirage.launcher import RUN_PID_NAME, process_start_time, runtime_root
 from mirage.launcher.supervisor import session_processes
 from mirage.shim.build import cache_root
 
@@ -127,10 +129,20 @@ def exec_in_session(session_id: str | None, node: int, command: list[str]) -> in
     return 128 - code if code < 0 else code
 
 
+def _run_alive(session_dir: Path) -> bool:
+    try:
+        pid, started = (session_dir / RUN_PID_NAME).read_text().split()
+        return process_start_time(int(pid)) == started
+    except (OSError, ValueError):
+        return False
+
+
 def stale_sessions() -> list[Path]:
-    """Session directories whose run no longer answers."""
+    """Session directories whose run is gone."""
     stale = []
     for directory in sorted(runtime_root().iterdir()):
+        if _run_alive(directory):
+            continue
         socket_path = directory / SOCKET_NAME
         try:
             request(socket_path, {"op": "status"}, timeout=2.0)
