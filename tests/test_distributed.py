@@ -170,8 +170,8 @@ def test_one_gpu_per_rank_through_cuda_visible_devices(tmp_path):
     result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "sh", "-c", command, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[0] visible 1 01 3.0" in result.stdout and "[1] visible 0 00 3.0" in result.stdout
-    for gpu in ("0:0", "0:1"):  # each rank's 12 MiB landed on its own node GPU
-        assert any(line.split()[:2] == [gpu, "12.00"] for line in result.stderr.splitlines()), result.stderr
+    for gpu in ("0:0", "0:1"):  # each rank's 12 MiB segment (and 512 MiB context) landed on its own node GPU
+        assert any(line.split()[:2] == [gpu, "524.00"] for line in result.stderr.splitlines()), result.stderr
 
     same = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "sh", "-c",
                   f"CUDA_VISIBLE_DEVICES=1 exec python {script}", timeout=120)

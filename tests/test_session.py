@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -17,10 +18,11 @@ from mirage import profiles
 SHM = Path("/dev/shm")
 
 
-def tiny_profile(tmp_path: Path, memory_bytes: int = 2**30) -> str:
+def tiny_profile(tmp_path: Path, memory_bytes: int = 2**30, context_bytes: int = 64 * 2**20) -> str:
     path = tmp_path / "tiny.toml"
     text = (profiles.DATA_DIR / "mi300x.toml").read_text()
-    path.write_text(text.replace("memory_bytes = 205822885888", f"memory_bytes = {memory_bytes}"))
+    text = text.replace("memory_bytes = 205822885888", f"memory_bytes = {memory_bytes}")
+    path.write_text(re.sub(r"context_bytes = \d+", f"context_bytes = {context_bytes}", text))
     return str(path)
 
 
@@ -70,18 +72,20 @@ def test_processes_on_one_gpu_share_its_capacity(tmp_path):
     result = mirage("run", "--profile", tiny_profile(tmp_path), "--nproc-per-node", "2", "--gpus-per-node", "2",
                     "--quiet", "--", "python", "-c", SHARED)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count("in use 800") == 2
+    # each process: a 400 MiB segment and its 64 MiB context
+    assert result.stdout.count("in use 928") == 2
     oom = [line for line in result.stdout.splitlines() if " OOM " in line]
     assert oom, result.stdout
-    assert "GPU 0 has a total capacity of 1.00 GiB of which 224.00 MiB is free" in oom[0]
-    assert "has 400.00 MiB memory in use. Including non-PyTorch memory, this process has 400.00 MiB" in oom[0]
+    assert "Tried to allocate 400.00 MiB. GPU 0 has a total capacity of 1024.00 MiB of which 96.00 MiB is free" in oom[0]
+    assert "has 464.00 MiB memory in use. Including non-PyTorch memory, this process has 464.00 MiB" in oom[0]
+    assert "Of the allocated memory 400.00 MiB is allocated by PyTorch, and 0 bytes is reserved" in oom[0]
 
 
 def test_in_process_mode_keeps_memory_per_process(tmp_path):
     result = mirage("run", "--in-process", "--profile", tiny_profile(tmp_path), "--nproc-per-node", "2",
                     "--gpus-per-node", "2", "--", "python", "-c", SHARED)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count("in use 400") == 2 and " OOM " not in result.stdout
+    assert result.stdout.count("in use 464") == 2 and " OOM " not in result.stdout  # its segment and context
     assert "summary" not in result.stderr
 
 
@@ -99,14 +103,17 @@ def test_smi_ps_and_exec_on_a_live_session():
         status = json.loads(mirage("smi", "--session", session, "--json").stdout)
         assert status["num_nodes"] == 2 and len(status["gpus"]) == 4
         node1_gpu1 = [g for g in status["gpus"] if (g["node"], g["gpu"]) == (1, 1)][0]
-        assert node1_gpu1["used_bytes"] == 4 * 2**20 and node1_gpu1["processes"][0]["rank"] == 1
+        # as nvidia-smi counts it: the process's context and its 20 MiB segment for the 4 MiB tensor
+        context = profiles.load("mi350x").context_bytes
+        assert node1_gpu1["used_bytes"] == context + 20 * 2**20 and node1_gpu1["processes"][0]["rank"] == 1
         assert all("all_reduce" in p["last_collective"] for p in status["processes"])
         table = mirage("smi", "--session", session).stdout
         assert "AMD Instinct MI350X" in table and "LAST COLLECTIVE" in table
         seen = mirage("exec", "--session", session, "--node", "1", "--", "python", "-c",
                       "import os, torch; free, total = torch.cuda.mem_get_info(1); "
                       "print(os.environ['MIRAGE_NODE_RANK'], (total - free) // 2**20)")
-        assert seen.stdout.split() == ["1", "4"], seen.stderr
+        # the rank's context and segment, and the context the querying process itself now has there
+        assert seen.stdout.split() == ["1", str((2 * context + 20 * 2**20) // 2**20)], seen.stderr
     finally:
         proc.kill()
         proc.wait()
@@ -149,7 +156,8 @@ def test_summary_table_and_json(tmp_path):
     report = json.loads(path.read_text())
     assert [p["exit_code"] for p in report["processes"]] == [0, 0]
     assert {c["rank"]: c["count"] for c in report["collectives"]} == {0: 1, 1: 1}
-    assert all(g["peak_bytes"] == 4 for g in report["gpus"])
+    # each GPU's peak: its process's context and the small segment of dist_smoke's one-element tensor
+    assert all(g["peak_bytes"] == profiles.load("mi350x").context_bytes + 2 * 2**20 for g in report["gpus"])
 
 
 def test_ranks_fail_fast_when_the_daemon_dies():
@@ -175,6 +183,24 @@ def test_ranks_fail_fast_when_the_daemon_dies():
     assert f"would remove {segment}" in dry.stdout
     mirage("cleanup")
     assert leftovers(session) == []
+
+
+def test_cleanup_leaves_a_live_in_process_run_alone():
+    """An --in-process run has no service to answer: its run's pid says it is alive."""
+    script = "import sys, torch\nprint('ready', flush=True)\nsys.stdin.readline()\nprint('done', flush=True)\n"
+    proc = subprocess.Popen([sys.executable, "-m", "mirage", "run", "--in-process", "--gpus-per-node", "1", "--",
+                             "python", "-c", script], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        session = session_of(proc)
+        assert proc.stdout.readline() == "ready\n"
+        assert session not in mirage("cleanup", "--dry-run").stdout
+        mirage("cleanup")
+        out, _ = proc.communicate("go\n", timeout=60)
+        assert proc.returncode == 0 and out == "done\n"
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_sigkill_at_random_moments_leaves_nothing_after_cleanup():

@@ -38,6 +38,9 @@ class Profile:
     link_bandwidth_gbs: float
     gpus_per_node: int
     board_power_watts: float  # total board power (TDP): the power draw under full load
+    # Device memory a process's GPU context takes besides PyTorch's allocator (driver, kernels,
+    # library workspaces): counted as the process's non-PyTorch memory from its first allocation.
+    context_bytes: int
     peak_tflops: dict[str, float] = field(default_factory=dict)
     path: Path = Path()
 
@@ -75,6 +78,7 @@ _FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "link_bandwidth_gbs": ((int, float), "a positive number"),
     "gpus_per_node": ((int,), "an integer from 1 to 64"),
     "board_power_watts": ((int, float), "a positive number"),
+    "context_bytes": ((int,), "an integer >= 0"),
     "peak_tflops": ((dict,), "a table of dtype = TFLOP/s"),
 }
 
@@ -105,6 +109,8 @@ def _check(path: Path, data: dict) -> Profile:
             raise bad(name)
     if data["clock_ghz"] < 0:
         raise bad("clock_ghz")
+    if data["context_bytes"] < 0:
+        raise bad("context_bytes")
     if not 1 <= data["gpus_per_node"] <= 64:
         raise bad("gpus_per_node")
     peaks = data["peak_tflops"]

@@ -28,6 +28,7 @@ def _export_for_shim() -> None:
 
     profile = profiles.load(os.environ["MIRAGE_PROFILE"])
     os.environ["MIRAGE_GPU_MEMORY_BYTES"] = str(profile.memory_bytes)
+    os.environ["MIRAGE_CONTEXT_BYTES"] = str(profile.context_bytes)
     os.environ["MIRAGE_VENDOR"] = profile.vendor
     visible = visible_devices.visible_gpus(int(os.environ.get("MIRAGE_NUM_GPUS", "0")), profile.is_amd, os.environ)
     os.environ["MIRAGE_VISIBLE_GPUS"] = ",".join(map(str, visible))

@@ -14,7 +14,7 @@ import sys
 from types import ModuleType
 
 from mirage import profiles
-from mirage.runtime import (autograd_threads, cuda_comm, cuda_graphs, cuda_ipc, cuda_runtime, device_queries,
+from mirage.runtime import (autograd_threads, cuda_comm, cuda_graphs, cuda_ipc, cuda_memory, cuda_runtime, device_queries,
                             distributed, legacy_tensor_types, nvtx, visible_devices)
 
 # What a ROCm / CUDA build of torch 2.13 reports as its toolkit version.
@@ -203,12 +203,12 @@ def install(torch: ModuleType) -> None:
         "_cuda_setDevice": C._accelerator_setDeviceIndex,
         "_cuda_exchangeDevice": C._accelerator_exchangeDevice,
         "_cuda_maybeExchangeDevice": C._accelerator_maybeExchangeDevice,
-        "_cuda_init": lambda: None,
+        "_cuda_init": torch.ops.mirage.apply_allocator_config,  # PYTORCH_CUDA_ALLOC_CONF's checks
         "_cuda_isInBadFork": lambda: False,  # host memory survives fork
         "_cuda_getArchFlags": lambda: profile.arch,
         "_cuda_getCompiledVersion": lambda: 70051831 if profile.is_amd else 12080,
         "_cuda_synchronize": torch.ops.mirage.graph_check_not_capturing,  # work is done once issued
-        "_cuda_emptyCache": lambda: None,
+        "_cuda_emptyCache": C._accelerator_emptyCache,
         "_cuda_memoryStats": C._accelerator_getDeviceStats,
         "_cuda_resetPeakMemoryStats": C._accelerator_resetPeakStats,
         "_cuda_resetAccumulatedMemoryStats": C._accelerator_resetAccumulatedStats,
@@ -232,12 +232,14 @@ def install(torch: ModuleType) -> None:
     cuda.has_magma = False
 
     def lazy_init() -> None:
-        """torch's _lazy_init insists on libcudart; ours only replays queued calls (seeds)."""
+        """torch's _lazy_init insists on libcudart; ours checks the allocator's configuration
+        and replays queued calls (seeds)."""
         if cuda._initialized or hasattr(cuda._tls, "is_initializing"):
             return
         with cuda._initialization_lock:
             if cuda._initialized:
                 return
+            C._cuda_init()
             cuda._tls.is_initializing = True
             calls = list(cuda._queued_calls)
             calls.extend(c for c in cuda._lazy_seed_tracker.get_calls() if c)
@@ -274,6 +276,7 @@ def install(torch: ModuleType) -> None:
     cuda_comm.install(torch)
     device_queries.install(torch, profile)
     cuda_runtime.install(torch, profile)
+    cuda_memory.install(torch)
     cuda_graphs.install(torch)
     cuda_ipc.install(torch)
     legacy_tensor_types.install(torch)

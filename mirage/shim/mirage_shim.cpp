@@ -32,6 +32,8 @@
 #include <torch/csrc/distributed/c10d/reducer_timer.hpp>
 #include <torch/library.h>
 
+#include "caching_allocator.h"
+
 #include <fcntl.h>
 #include <pthread.h>
 #include <sys/mman.h>
@@ -64,6 +66,7 @@ struct Config {
   DeviceIndex num_devices = 0;  // the GPUs this process sees
   std::array<DeviceIndex, kMaxDevices> node_gpu{};  // cuda:i is the node's GPU node_gpu[i]
   int64_t capacity = 0;      // bytes per device
+  int64_t context_bytes = 0; // a process's GPU context on a device (its non-PyTorch memory)
   bool amd = true;           // message wording: "HIP out of memory" vs "CUDA out of memory"
   Config() {
     // MIRAGE_VISIBLE_GPUS: the node's GPUs after *_VISIBLE_DEVICES, in order, set by
@@ -78,6 +81,7 @@ struct Config {
       if (*p != ',') break;
     }
     if (const char* c = std::getenv("MIRAGE_GPU_MEMORY_BYTES")) capacity = std::strtoll(c, nullptr, 10);
+    if (const char* c = std::getenv("MIRAGE_CONTEXT_BYTES")) context_bytes = std::strtoll(c, nullptr, 10);
     if (const char* v = std::getenv("MIRAGE_VENDOR")) amd = std::strcmp(v, "nvidia") != 0;
   }
 };
@@ -88,17 +92,15 @@ static const Config& config() {
 
 // ---------------------------------------------------------------- memory accounting
 
-// Counters for one device. Lock-free so the allocation path never blocks.
+// What one device holds for this process: its context and the caching allocator's segments
+// (what nvidia-smi / amd-smi count), and the work it ran. Lock-free: read by other threads.
 struct DeviceCounters {
-  std::atomic<int64_t> allocated{0};
-  std::atomic<int64_t> peak{0};
-  std::atomic<int64_t> num_allocs{0};
-  std::atomic<int64_t> num_frees{0};
-  std::atomic<int64_t> bytes_allocated_total{0};
-  std::atomic<int64_t> bytes_freed_total{0};
+  std::atomic<int64_t> in_use{0};
+  std::atomic<bool> has_context{false};
   std::atomic<int64_t> busy_ns{0};  // time spent running this device's work (utilization)
 };
 static std::array<DeviceCounters, kMaxDevices> g_counters;
+static std::array<DeviceCache, kMaxDevices> g_caches;
 
 static void add_busy(DeviceIndex device, int64_t ns);
 
@@ -121,9 +123,9 @@ class BusyTimer {
 
 static std::string format_size(int64_t bytes) {
   char buf[64];
-  if (bytes < 1024) std::snprintf(buf, sizeof buf, "%lld bytes", static_cast<long long>(bytes));
-  else if (bytes < (1 << 20)) std::snprintf(buf, sizeof buf, "%.2f KiB", bytes / 1024.0);
-  else if (bytes < (1 << 30)) std::snprintf(buf, sizeof buf, "%.2f MiB", bytes / 1048576.0);
+  if (bytes <= 1024) std::snprintf(buf, sizeof buf, "%lld bytes", static_cast<long long>(bytes));
+  else if (bytes <= (1 << 20)) std::snprintf(buf, sizeof buf, "%.2f KiB", bytes / 1024.0);
+  else if (bytes <= (1 << 30)) std::snprintf(buf, sizeof buf, "%.2f MiB", bytes / 1048576.0);
   else std::snprintf(buf, sizeof buf, "%.2f GiB", bytes / 1073741824.0);
   return buf;
 }
@@ -203,7 +205,7 @@ static DeviceIndex node_gpu(DeviceIndex dev) { return config().node_gpu[dev]; }
 
 // Bytes of device `dev` in use by every process of the session (or by this one alone).
 static int64_t device_in_use(DeviceIndex dev) {
-  if (!g_shared.words) return g_counters[dev].allocated.load(std::memory_order_relaxed);
+  if (!g_shared.words) return g_counters[dev].in_use.load(std::memory_order_relaxed);
   int64_t total = 0, slots = SharedTable::at(g_shared.words + SharedTable::kHighWater).load(std::memory_order_relaxed);
   for (int64_t i = 0; i < slots; ++i) {
     int64_t* other = g_shared.slot_at(i);
@@ -226,10 +228,13 @@ static int64_t allowed_bytes(DeviceIndex dev) {
   return static_cast<int64_t>(static_cast<long double>(config().capacity) * ppb / 1000000000);
 }
 
+// The caching allocator's out-of-memory error, with its figures: "in use" includes the context,
+// "allocated" and "reserved but unallocated" are the allocator's.
 [[noreturn]] static void raise_oom(DeviceIndex dev, int64_t requested) {
   const Config& cfg = config();
   const char* api = cfg.amd ? "HIP" : "CUDA";
-  int64_t mine = g_counters[dev].allocated.load();
+  const int64_t mine = g_counters[dev].in_use.load();
+  const int64_t allocated = g_caches[dev].allocated(), reserved = g_caches[dev].reserved();
   int64_t free_bytes = std::max<int64_t>(cfg.capacity - device_in_use(dev), 0);
   std::string others;
   if (g_shared.words) {
@@ -247,8 +252,8 @@ static int64_t allowed_bytes(DeviceIndex dev) {
       " has a total capacity of ", format_size(cfg.capacity), " of which ", format_size(free_bytes),
       " is free. ", others, "Including non-PyTorch memory, this process has ", format_size(mine),
       " memory in use. ", fraction_ppb(dev) < 1000000000 ? format_size(allowed_bytes(dev)) + " allowed; " : "",
-      "Of the allocated memory ", format_size(mine),
-      " is allocated by PyTorch, and 0 bytes is reserved by PyTorch but unallocated. If reserved but "
+      "Of the allocated memory ", format_size(allocated), " is allocated by PyTorch, and ",
+      format_size(reserved - allocated), " is reserved by PyTorch but unallocated. If reserved but "
       "unallocated memory is large try setting PYTORCH_", api,
       "_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory "
       "Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)");
@@ -260,41 +265,37 @@ static void raise_peak(std::atomic_ref<int64_t> peak, int64_t now) {
   }
 }
 
-// Charges `n` bytes to `dev`; raises OutOfMemoryError (charging nothing) if over capacity.
-static void charge(DeviceIndex dev, int64_t n) {
-  const int64_t capacity = config().capacity;
-  if (g_shared.slot) {
-    auto mine = SharedTable::at(g_shared.slot + SharedTable::kSlotHead + node_gpu(dev));
-    mine.fetch_add(n, std::memory_order_relaxed);
-    int64_t now = device_in_use(dev);
-    if (capacity > 0 && now > capacity) {
-      mine.fetch_sub(n, std::memory_order_relaxed);
-      raise_oom(dev, n);
-    }
-    raise_peak(SharedTable::at(g_shared.gpu_peak(node_gpu(dev))), now);
-  }
-  DeviceCounters& c = g_counters[dev];
-  int64_t mine = c.allocated.fetch_add(n, std::memory_order_relaxed) + n;
-  const bool over_fraction = capacity > 0 && mine > allowed_bytes(dev);
-  if ((!g_shared.slot && capacity > 0 && mine > capacity) || over_fraction) {
-    c.allocated.fetch_sub(n, std::memory_order_relaxed);
-    if (g_shared.slot) SharedTable::at(g_shared.slot + SharedTable::kSlotHead + node_gpu(dev)).fetch_sub(n, std::memory_order_relaxed);
-    raise_oom(dev, n);
-  }
-  int64_t peak = c.peak.load(std::memory_order_relaxed);
-  while (mine > peak && !c.peak.compare_exchange_weak(peak, mine, std::memory_order_relaxed)) {
-  }
-  c.num_allocs.fetch_add(1, std::memory_order_relaxed);
-  c.bytes_allocated_total.fetch_add(n, std::memory_order_relaxed);
+// Adds `n` (negative: takes away) to this process's use of `dev`, here and in the session table.
+static void add_in_use(DeviceIndex dev, int64_t n) {
+  g_counters[dev].in_use.fetch_add(n, std::memory_order_relaxed);
+  if (g_shared.slot) SharedTable::at(g_shared.slot + SharedTable::kSlotHead + node_gpu(dev)).fetch_add(n, std::memory_order_relaxed);
 }
 
-static void refund(DeviceIndex dev, int64_t n) {
-  if (g_shared.slot) SharedTable::at(g_shared.slot + SharedTable::kSlotHead + node_gpu(dev)).fetch_sub(n, std::memory_order_relaxed);
-  DeviceCounters& c = g_counters[dev];
-  c.allocated.fetch_sub(n, std::memory_order_relaxed);
-  c.num_frees.fetch_add(1, std::memory_order_relaxed);
-  c.bytes_freed_total.fetch_add(n, std::memory_order_relaxed);
+// The process's context on a device: created by the first call that needs one there (an
+// allocation, a memory query), as the driver creates a primary context.
+static void ensure_context(DeviceIndex dev) {
+  if (!g_counters[dev].has_context.exchange(true)) add_in_use(dev, config().context_bytes);
 }
+
+// cudaMalloc of a segment: room on the device (all processes of the session, contexts included)
+// and within this process's memory fraction, or false.
+static bool reserve_segment(DeviceIndex dev, size_t bytes, int64_t reserved_now) {
+  const int64_t capacity = config().capacity;
+  const int64_t n = static_cast<int64_t>(bytes);
+  ensure_context(dev);
+  if (capacity > 0 && reserved_now + n > allowed_bytes(dev)) return false;
+  add_in_use(dev, n);
+  const int64_t now = device_in_use(dev);
+  if (capacity > 0 && now > capacity) {
+    add_in_use(dev, -n);
+    return false;
+  }
+  if (g_shared.words) raise_peak(SharedTable::at(g_shared.gpu_peak(node_gpu(dev))), now);
+  return true;
+}
+
+static void release_segment_bytes(DeviceIndex dev, size_t bytes) { add_in_use(dev, -static_cast<int64_t>(bytes)); }
+
 
 static void add_busy(DeviceIndex device, int64_t ns) {
   g_counters[device].busy_ns.fetch_add(ns, std::memory_order_relaxed);
@@ -323,16 +324,25 @@ static void check_index(DeviceIndex index) {
 
 // ---------------------------------------------------------------- allocator
 
-// Block layout: [header: nbytes, device][user data...]. The header lets the deleter refund the
-// right device without a side table or an extra allocation.
+// A block of the device's caching allocator for `nbytes`; raises the allocator's OOM error.
+static CachedBlock* allocate_block(DeviceIndex dev, size_t nbytes) {
+  CachedBlock* block = g_caches[dev].allocate(
+      nbytes, tl_stream[dev], [dev](size_t bytes, int64_t reserved_now) { return reserve_segment(dev, bytes, reserved_now); },
+      [dev](size_t bytes) { release_segment_bytes(dev, bytes); });
+  if (!block) raise_oom(dev, static_cast<int64_t>(DeviceCache::segment_size_for(nbytes)));
+  return block;
+}
+
+// Block layout: [header: the allocator's block, device][user data...]. The header lets the
+// deleter return the right block without a side table or an extra allocation.
 struct BlockHeader {
-  int64_t nbytes;
+  CachedBlock* block;
   DeviceIndex device;
 };
 
 static void free_block(void* base) {
   auto* h = static_cast<BlockHeader*>(base);
-  refund(h->device, h->nbytes);
+  g_caches[h->device].free(h->block);
   c10::free_cpu(base);
 }
 
@@ -342,18 +352,18 @@ struct DeviceMemoryAllocator final : c10::DeviceAllocator {
   c10::DataPtr allocate(size_t n) override {
     DeviceIndex dev = fixed_device >= 0 ? fixed_device : tl_device;
     if (n == 0) return c10::DataPtr(nullptr, c10::Device(DeviceType::CUDA, dev));
-    charge(dev, static_cast<int64_t>(n));
+    CachedBlock* block = allocate_block(dev, n);
     void* base = nullptr;
     try {
       base = c10::alloc_cpu(n + kHeader);
     } catch (const c10::Error&) {
-      refund(dev, static_cast<int64_t>(n));
+      g_caches[dev].free(block);
       TORCH_CHECK_WITH(OutOfMemoryError, false, "mirage: the host could not back ", format_size(static_cast<int64_t>(n)),
           " of emulated GPU ", static_cast<int>(dev), " memory (host RAM exhausted; the emulated GPU had room). "
           "Fix: use smaller tensors, fewer ranks, or a machine with more RAM.");
     }
     auto* h = static_cast<BlockHeader*>(base);
-    h->nbytes = static_cast<int64_t>(n);
+    h->block = block;
     h->device = dev;
     return {static_cast<char*>(base) + kHeader, base, &free_block, c10::Device(DeviceType::CUDA, dev)};
   }
@@ -361,40 +371,28 @@ struct DeviceMemoryAllocator final : c10::DeviceAllocator {
     std::memcpy(dest, src, count);
   }
   bool initialized() override { return true; }
-  void emptyCache(c10::MempoolId_t) override {}
+  // torch.cuda.empty_cache: every device's cached segments go back (the MemPool id is not modelled).
+  void emptyCache(c10::MempoolId_t) override {
+    for (DeviceIndex dev = 0; dev < config().num_devices; ++dev) {
+      g_caches[dev].release_cached([dev](size_t bytes) { release_segment_bytes(dev, bytes); });
+    }
+  }
   void recordStream(const c10::DataPtr&, c10::Stream) override {}
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(DeviceIndex dev) override {
     check_index(dev);
-    const DeviceCounters& c = g_counters[dev];
-    c10::CachingDeviceAllocator::DeviceStats s;
-    c10::CachingDeviceAllocator::Stat bytes;
-    bytes.current = c.allocated.load();
-    bytes.peak = c.peak.load();
-    bytes.allocated = c.bytes_allocated_total.load();
-    bytes.freed = c.bytes_freed_total.load();
-    c10::CachingDeviceAllocator::Stat count;
-    count.allocated = c.num_allocs.load();
-    count.freed = c.num_frees.load();
-    count.current = count.allocated - count.freed;
-    count.peak = count.current;
-    // No caching: every allocated byte is reserved, active and requested.
-    for (auto* arr : {&s.allocated_bytes, &s.reserved_bytes, &s.active_bytes, &s.requested_bytes}) (*arr)[0] = bytes;
-    for (auto* arr : {&s.allocation, &s.segment, &s.active}) (*arr)[0] = count;
-    return s;
+    return g_caches[dev].stats();
   }
   void resetAccumulatedStats(DeviceIndex dev) override {
     check_index(dev);
-    g_counters[dev].bytes_allocated_total = 0;
-    g_counters[dev].bytes_freed_total = 0;
-    g_counters[dev].num_allocs = 0;
-    g_counters[dev].num_frees = 0;
+    g_caches[dev].reset_accumulated();
   }
   void resetPeakStats(DeviceIndex dev) override {
     check_index(dev);
-    g_counters[dev].peak = g_counters[dev].allocated.load();
+    g_caches[dev].reset_peak();
   }
   std::pair<size_t, size_t> getMemoryInfo(DeviceIndex dev) override {
     check_index(dev);
+    ensure_context(dev);
     int64_t cap = config().capacity;
     return {static_cast<size_t>(std::max<int64_t>(cap - device_in_use(dev), 0)),
             static_cast<size_t>(cap)};
@@ -593,23 +591,23 @@ static at::Tensor on_storage(c10::Storage storage, const at::Tensor& geometry) {
   return at::Tensor(std::move(impl));
 }
 
-// Keeps a CPU kernel's result alive as device memory and charges it to the device.
+// Keeps a CPU kernel's result alive as device memory, with its block of the device's allocator.
 struct AdoptedBytes {
   c10::Storage cpu;
   DeviceIndex device;
-  int64_t nbytes;
+  CachedBlock* block;  // null for an empty result
 };
 static void release_adopted(void* ctx) {
   auto* a = static_cast<AdoptedBytes*>(ctx);
-  refund(a->device, a->nbytes);
+  if (a->block) g_caches[a->device].free(a->block);
   delete a;
 }
 
 // Re-labels the memory of a fresh CPU result as device memory (no copy).
 static c10::Storage adopt_storage(const c10::Storage& cpu, DeviceIndex dev) {
   int64_t nbytes = static_cast<int64_t>(cpu.nbytes());
-  charge(dev, nbytes);
-  auto* ctx = new AdoptedBytes{cpu, dev, nbytes};
+  CachedBlock* block = nbytes > 0 ? allocate_block(dev, static_cast<size_t>(nbytes)) : nullptr;
+  auto* ctx = new AdoptedBytes{cpu, dev, block};
   c10::DataPtr dp(const_cast<void*>(cpu.data()), ctx, &release_adopted, c10::Device(DeviceType::CUDA, dev));
   return c10::Storage(c10::make_intrusive<c10::StorageImpl>(
       c10::StorageImpl::use_byte_size_t(), nbytes, std::move(dp), &device_allocators()[dev], true));
@@ -675,15 +673,15 @@ struct SharedSegment {
   void* base;
   size_t nbytes;
   DeviceIndex device;
-  bool owner;  // the sending process: unlinks the name and is charged for the bytes
+  CachedBlock* block;  // the sending process's: it unlinks the name and holds the memory
 };
 
 static void release_segment(void* ctx) {
   auto* seg = static_cast<SharedSegment*>(ctx);
   munmap(seg->base, seg->nbytes);
-  if (seg->owner) {
+  if (seg->block) {
     shm_unlink(seg->name.c_str());
-    refund(seg->device, static_cast<int64_t>(seg->nbytes));
+    g_caches[seg->device].free(seg->block);
   }
   delete seg;
 }
@@ -719,8 +717,8 @@ static std::string share_storage(const at::Tensor& t) {
   TORCH_CHECK_WITH(OutOfMemoryError, base, "mirage: could not place ", format_size(static_cast<int64_t>(nbytes)),
       " of shared GPU memory in /dev/shm for CUDA IPC (is it full? `df -h /dev/shm`)");
   std::memcpy(base, storage->data(), nbytes);
-  charge(dev, static_cast<int64_t>(nbytes));  // the old memory is refunded as it is released below
-  auto* seg = new SharedSegment{name, base, nbytes, dev, true};
+  CachedBlock* block = allocate_block(dev, nbytes);  // the old block is freed as it is released below
+  auto* seg = new SharedSegment{name, base, nbytes, dev, block};
   storage->set_data_ptr_noswap(c10::DataPtr(base, seg, &release_segment, c10::Device(DeviceType::CUDA, dev)));
   return name;
 }
@@ -731,7 +729,7 @@ static at::Tensor open_shared(const std::string& name, int64_t nbytes, DeviceInd
   void* base = map_segment(name, static_cast<size_t>(nbytes), false);
   TORCH_CHECK(base, "mirage: the CUDA tensor's memory is gone: the sending process freed it (or exited) before "
       "this one received it. Keep a CUDA tensor alive in the sender until the receiver has it, as CUDA IPC requires.");
-  auto* seg = new SharedSegment{name, base, static_cast<size_t>(nbytes), dev, false};
+  auto* seg = new SharedSegment{name, base, static_cast<size_t>(nbytes), dev, nullptr};
   c10::Storage storage(c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), nbytes,
       c10::DataPtr(base, seg, &release_segment, c10::Device(DeviceType::CUDA, dev)), &device_allocators()[dev], false));
   auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CUDA),
@@ -1172,6 +1170,28 @@ TORCH_LIBRARY(mirage, m) {
   m.def("memory_fraction(int device) -> float", [](int64_t device) -> double {
     mirage::check_index(static_cast<c10::DeviceIndex>(device));
     return mirage::fraction_ppb(static_cast<c10::DeviceIndex>(device)) / 1e9;
+  });
+  // PYTORCH_CUDA_ALLOC_CONF and its relatives, checked at CUDA initialisation as a real build does.
+  m.def("apply_allocator_config() -> ()", []() {
+    const double fraction = mirage::apply_allocator_config(mirage::config().amd);
+    if (fraction < 0) return;
+    for (c10::DeviceIndex dev = 0; dev < mirage::config().num_devices; ++dev) {
+      mirage::g_withheld_ppb[dev].store(1000000000 - static_cast<int64_t>(fraction * 1e9 + 0.5));
+    }
+  });
+  // The caching allocator's segments of a device (torch.cuda.memory_snapshot), one row per block:
+  // [segment address, segment size, stream, is_small, block address, size, requested, allocated].
+  m.def("memory_segments(int device) -> int[][]", [](int64_t device) {
+    mirage::check_index(static_cast<c10::DeviceIndex>(device));
+    std::vector<std::vector<int64_t>> rows;
+    for (const auto& segment : mirage::g_caches[device].segments()) {
+      for (const auto& block : segment.blocks) {
+        rows.push_back({static_cast<int64_t>(segment.address), static_cast<int64_t>(segment.total_size), segment.stream,
+                        segment.is_small, static_cast<int64_t>(block.address), static_cast<int64_t>(block.size),
+                        static_cast<int64_t>(block.requested), block.allocated});
+      }
+    }
+    return rows;
   });
   m.def("share_storage_memory(Tensor t) -> str", [](const at::Tensor& t) { return mirage::share_storage(t); });
   m.def("open_shared_storage(str name, int nbytes, int device) -> Tensor",

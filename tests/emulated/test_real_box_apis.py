@@ -103,8 +103,9 @@ def test_device_queries_answer_from_the_emulated_device_without_vendor_libraries
     busy = torch.cuda.utilization(device)
     assert busy >= 50, busy
     assert torch.cuda.clock_rate(device) == 2200
-    before = torch.cuda.device_memory_used(device)
-    block = torch.empty(2**20, dtype=torch.uint8, device=f"cuda:{device}")
+    before, reserved = torch.cuda.device_memory_used(device), torch.cuda.memory_reserved(device)
+    block = torch.empty(64 * 2**20, dtype=torch.uint8, device=f"cuda:{device}")  # a segment of its own
+    assert torch.cuda.memory_reserved(device) - reserved == block.numel()
     assert torch.cuda.device_memory_used(device) - before == block.numel()
 
 

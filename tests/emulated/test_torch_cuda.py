@@ -9,8 +9,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from mirage import profiles
+
 GiB = 2**30
 MI350X_MEMORY = 309237645312
+CONTEXT_BYTES = profiles.load("mi350x").context_bytes
 
 
 def test_devices_are_visible():
@@ -150,20 +153,34 @@ def test_memory_accounting_tracks_live_tensors():
     torch.cuda.reset_peak_memory_stats(device)
     assert torch.cuda.max_memory_allocated(device) == base
     free, total = torch.cuda.mem_get_info(device)
-    assert total == MI350X_MEMORY and free == total - base
+    # what the device has in use: this process's context and its allocator's segments
+    assert total == MI350X_MEMORY and free == total - CONTEXT_BYTES - torch.cuda.memory_reserved(device)
     stats = torch.cuda.memory_stats(device)
     assert stats["allocated_bytes.all.current"] == base
 
 
+def c10_format_size(size: int) -> str:
+    """Sizes as the caching allocator's messages print them (c10's format_size)."""
+    for limit, unit, scale in ((1024, "bytes", 1), (2**20, "KiB", 1024), (2**30, "MiB", 2**20)):
+        if size <= limit:
+            return f"{size} bytes" if unit == "bytes" else f"{size / scale:.2f} {unit}"
+    return f"{size / 2**30:.2f} GiB"
+
+
 def test_out_of_memory_is_catchable_and_in_the_real_form():
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(1)
     keep = torch.empty(GiB, dtype=torch.uint8, device="cuda:1")
+    reserved = torch.cuda.memory_reserved(1)
     with pytest.raises(torch.cuda.OutOfMemoryError) as info:
         torch.empty(300 * GiB, dtype=torch.uint8, device="cuda:1")
     message = str(info.value)
     assert "HIP out of memory. Tried to allocate 300.00 GiB. GPU 1 has a total capacity of 288.00 GiB" in message
-    assert "this process has 1.00 GiB memory in use" in message
+    assert f"this process has {c10_format_size(CONTEXT_BYTES + reserved)} memory in use" in message
+    assert f"Of the allocated memory {c10_format_size(before + GiB)} is allocated by PyTorch" in message
     # The process goes on, and the failed allocation was not charged.
-    assert torch.cuda.memory_allocated(1) == GiB
+    assert torch.cuda.memory_allocated(1) == before + GiB
+    assert torch.cuda.memory_stats(1)["num_ooms"] >= 1
     del keep
     assert torch.ones(4, device="cuda:1").sum().item() == 4
 

@@ -1,0 +1,113 @@
+// The emulated device's caching allocator: the bookkeeping of PyTorch's CUDA caching allocator
+// (c10/cuda/CUDACachingAllocator.cpp), run on every device allocation and free so that
+// memory_allocated / memory_reserved / memory_stats, and the point at which a program runs out of
+// memory, are those of a real GPU. Its rules: requests round up to 512 bytes (or to a power-of-two
+// division with roundup_power2_divisions); requests of up to 1 MiB come from the small pool,
+// whose segments are 2 MiB; larger ones from the large pool, whose segments are 20 MiB for
+// requests under 10 MiB and the request rounded up to 2 MiB otherwise; the best-fitting cached
+// block of the same stream is reused and split when the rest is worth keeping (>= 512 bytes in
+// the small pool, > 1 MiB in the large one, never blocks of max_split_size or more); freed blocks
+// merge with free neighbours; a failed segment reservation frees cached segments and retries.
+//
+// Only the bookkeeping is modelled: a block's bytes are host memory the shim holds elsewhere (the
+// CPU kernels' own allocations, kept zero-copy). Segment "addresses" are a per-device counter.
+// Not modelled: expandable_segments and garbage_collection_threshold (parsed, no effect), CUDA
+// graph private pools.
+#pragma once
+
+#include <c10/core/CachingDeviceAllocator.h>
+
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace mirage {
+
+struct CachedBlock;
+
+struct BlockOrder {  // as the real allocator's BlockComparatorSize: stream, size, address
+  bool operator()(const CachedBlock* a, const CachedBlock* b) const;
+};
+
+struct BlockPool {
+  std::set<CachedBlock*, BlockOrder> blocks;
+  bool is_small;
+};
+
+struct CachedBlock {
+  int64_t stream;
+  size_t size;            // bytes of the block (rounded)
+  size_t requested = 0;   // bytes the caller asked for
+  uint64_t address;       // modelled device address
+  BlockPool* pool;
+  bool allocated = false;
+  CachedBlock* prev = nullptr;  // neighbours within the segment
+  CachedBlock* next = nullptr;
+  bool is_split() const { return prev != nullptr || next != nullptr; }
+};
+
+// One segment as a snapshot shows it: its blocks in address order.
+struct SegmentView {
+  uint64_t address;
+  size_t total_size;
+  int64_t stream;
+  bool is_small;
+  struct Block {
+    uint64_t address;
+    size_t size, requested;
+    bool allocated;
+  };
+  std::vector<Block> blocks;
+};
+
+class DeviceCache {
+ public:
+  // Reserves `bytes` of device memory for a new segment, given the bytes already reserved; false
+  // when the device (or this process's memory fraction) has no room. Called with the lock held.
+  using Reserve = std::function<bool(size_t bytes, int64_t reserved_now)>;
+  using Release = std::function<void(size_t bytes)>;
+
+  // The block for a request of `requested` bytes on `stream`, or nullptr when even after freeing
+  // every cached segment there is no room (num_ooms counts it; the caller raises).
+  CachedBlock* allocate(size_t requested, int64_t stream, const Reserve& reserve, const Release& release);
+  void free(CachedBlock* block);
+  // Releases every cached segment with no allocated block (torch.cuda.empty_cache).
+  void release_cached(const Release& release);
+
+  c10::CachingDeviceAllocator::DeviceStats stats();
+  void reset_peak();
+  void reset_accumulated();
+  int64_t reserved();
+  int64_t allocated();
+  // Size of the segment a request of `requested` bytes would need (the OOM message's figure).
+  static size_t segment_size_for(size_t requested);
+  std::vector<SegmentView> segments();
+
+ private:
+  bool take_free_block(BlockPool& pool, size_t size, int64_t stream, CachedBlock*& out);
+  bool new_segment(BlockPool& pool, size_t size, int64_t stream, bool retry, const Reserve& reserve, CachedBlock*& out);
+  bool release_oversize(BlockPool& pool, size_t size, int64_t stream, const Release& release);
+  void release_segments_locked(const Release& release);
+  void release_segment(CachedBlock* block, const Release& release);
+  size_t merge(CachedBlock* dst, CachedBlock* src);
+  void update(c10::CachingDeviceAllocator::StatArray& stat, bool small, int64_t delta);
+  void update(c10::CachingDeviceAllocator::Stat& stat, int64_t delta);
+
+  std::mutex mu_;
+  BlockPool small_{{}, true}, large_{{}, false};
+  std::set<CachedBlock*> active_;
+  uint64_t next_address_ = 0x7f0000000000ULL;
+  int64_t reserved_total_ = 0;
+  c10::CachingDeviceAllocator::DeviceStats stats_;
+};
+
+// PYTORCH_CUDA_ALLOC_CONF (then PYTORCH_HIP_ALLOC_CONF on AMD, then PYTORCH_ALLOC_CONF), checked as
+// the real CUDA allocator checks it when CUDA initialises: an unknown key raises PyTorch's
+// "Unrecognized key 'x' in CUDA allocator config." ValueError. Returns the fraction set by the
+// per_process_memory_fraction key, or a negative number when it is not set.
+double apply_allocator_config(bool amd);
+
+}  // namespace mirage

@@ -1,0 +1,107 @@
+"""Device memory figures follow PyTorch's CUDA caching allocator rules (512-byte blocks, 2 MiB
+small segments, 20 MiB large ones, splitting, merging, empty_cache), whoever allocates: a factory
+function, a kernel's result, autograd."""
+
+import pytest
+import torch
+
+MiB = 2**20
+DEVICE = torch.device("cuda", 2)
+
+
+@pytest.fixture
+def fresh_device():
+    """Device 2 with nothing cached: what the tests below measure starts from zero."""
+    torch.cuda.synchronize(DEVICE)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(DEVICE)
+    torch.cuda.reset_accumulated_memory_stats(DEVICE)
+    if torch.cuda.memory_reserved(DEVICE) != 0:
+        pytest.fail(f"device 2 still holds {torch.cuda.memory_allocated(DEVICE)} allocated bytes from another test")
+    yield
+    torch.cuda.empty_cache()
+
+
+def stat(name: str) -> int:
+    return torch.cuda.memory_stats(DEVICE)[name]
+
+
+def test_small_requests_round_to_512_bytes_in_2_mib_segments(fresh_device):
+    a = torch.empty(4000, dtype=torch.uint8, device=DEVICE)
+    assert torch.cuda.memory_allocated(DEVICE) == 4096
+    assert torch.cuda.memory_reserved(DEVICE) == 2 * MiB
+    b = torch.empty(1, dtype=torch.uint8, device=DEVICE)  # the minimum block is 512 bytes
+    assert torch.cuda.memory_allocated(DEVICE) == 4096 + 512
+    c = torch.empty(MiB, dtype=torch.uint8, device=DEVICE)  # exactly 1 MiB is still small
+    assert stat("segment.small_pool.current") == 1 and stat("segment.large_pool.current") == 0
+    d = torch.empty(MiB, dtype=torch.uint8, device=DEVICE)  # does not fit what is left: a new segment
+    assert torch.cuda.memory_reserved(DEVICE) == 4 * MiB
+    assert stat("requested_bytes.all.current") == 4000 + 1 + 2 * MiB
+    del a, b, c, d
+
+
+def test_large_requests_get_20_mib_segments_below_10_mib_and_their_size_rounded_to_2_mib_above(fresh_device):
+    medium = torch.empty(MiB + 1, dtype=torch.uint8, device=DEVICE)
+    assert torch.cuda.memory_allocated(DEVICE) == MiB + 512
+    assert torch.cuda.memory_reserved(DEVICE) == 20 * MiB
+    big = torch.empty(11 * MiB + 1, dtype=torch.uint8, device=DEVICE)  # 11 MiB + 512 fits the rest: split
+    assert torch.cuda.memory_reserved(DEVICE) == 20 * MiB
+    bigger = torch.empty(13 * MiB, dtype=torch.uint8, device=DEVICE)  # a segment of its own, 14 MiB
+    assert torch.cuda.memory_reserved(DEVICE) == 34 * MiB
+    assert stat("segment.large_pool.current") == 2
+    del medium, big, bigger
+
+
+def test_freed_blocks_are_cached_reused_merged_and_released_by_empty_cache(fresh_device):
+    x = torch.empty(5 * MiB, dtype=torch.uint8, device=DEVICE)
+    y = torch.empty(5 * MiB, dtype=torch.uint8, device=DEVICE)
+    assert torch.cuda.memory_reserved(DEVICE) == 20 * MiB and stat("num_device_alloc") == 1
+    del x
+    assert torch.cuda.memory_allocated(DEVICE) == 5 * MiB
+    assert torch.cuda.memory_reserved(DEVICE) == 20 * MiB  # cached, not returned
+    assert stat("inactive_split.large_pool.current") == 2  # the hole before y and the rest after it
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved(DEVICE) == 20 * MiB  # y keeps its segment
+    z = torch.empty(4 * MiB, dtype=torch.uint8, device=DEVICE)  # best fit: the 5 MiB hole
+    assert stat("num_device_alloc") == 1
+    del y, z
+    assert stat("inactive_split.large_pool.current") == 0  # merged back into one block
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved(DEVICE) == 0
+    assert stat("num_device_free") == 1
+
+
+def test_kernel_results_and_autograd_are_counted_like_factory_tensors(fresh_device):
+    w = torch.randn(256, 256, device=DEVICE, requires_grad=True)  # 256 KiB
+    y = (w @ w).relu().sum()
+    y.backward()
+    assert w.grad.device == DEVICE
+    # w, its gradient and the loss stay; every temporary went back to the cache
+    assert torch.cuda.memory_allocated(DEVICE) == 2 * 256 * 1024 + 512
+    assert torch.cuda.max_memory_allocated(DEVICE) > 2 * 256 * 1024
+    assert torch.cuda.memory_reserved(DEVICE) % (2 * MiB) == 0
+    del w, y
+
+
+def test_blocks_of_a_side_stream_are_not_reused_on_the_default_stream(fresh_device):
+    side = torch.cuda.Stream(DEVICE)
+    with torch.cuda.stream(side):
+        x = torch.empty(4096, dtype=torch.uint8, device=DEVICE)
+    del x
+    y = torch.empty(4096, dtype=torch.uint8, device=DEVICE)  # the cached block is the side stream's
+    assert torch.cuda.memory_reserved(DEVICE) == 4 * MiB
+    del y
+
+
+def test_memory_summary_and_snapshot_show_the_segments(fresh_device):
+    x = torch.empty(3 * MiB, dtype=torch.uint8, device=DEVICE)
+    summary = torch.cuda.memory_summary(DEVICE)
+    assert "GPU reserved memory" in summary and "20480 KiB" in summary
+    segments = [s for s in torch.cuda.memory_snapshot() if s["device"] == DEVICE.index]
+    assert len(segments) == 1
+    (segment,) = segments
+    assert segment["total_size"] == 20 * MiB and segment["segment_type"] == "large"
+    assert segment["allocated_size"] == 3 * MiB
+    assert [b["state"] for b in segment["blocks"]] == ["active_allocated", "inactive"]
+    assert [b["size"] for b in segment["blocks"]] == [3 * MiB, 17 * MiB]
+    del x

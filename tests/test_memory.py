@@ -1,0 +1,64 @@
+"""The caching allocator as a process meets it: PYTORCH_*_ALLOC_CONF, freeing the cache before it
+gives up, the point of out-of-memory on a small GPU (its context included)."""
+
+import os
+
+from conftest import mirage
+from test_session import tiny_profile
+
+MiB = 2**20
+
+
+def run(script: str, *options: str, alloc_conf: dict[str, str] | None = None):
+    env = {k: v for k, v in os.environ.items() if not k.endswith("ALLOC_CONF")}
+    env.update(alloc_conf or {})
+    return mirage("run", "--gpus-per-node", "1", "--quiet", *options, "--", "python", "-c", script, env=env)
+
+
+def test_an_unknown_allocator_setting_fails_at_the_first_cuda_use_with_pytorchs_error():
+    result = run("import torch\nprint('imported', flush=True)\ntorch.ones(1, device='cuda')\n",
+                 alloc_conf={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64,bogus_key:1"})
+    assert result.returncode == 1
+    assert "imported" in result.stdout
+    assert "ValueError: Unrecognized key 'bogus_key' in CUDA allocator config." in result.stderr
+
+
+def test_max_split_size_keeps_oversize_blocks_for_oversize_requests():
+    script = ("import torch\n"
+              "x = torch.empty(30 * 2**20, dtype=torch.uint8, device='cuda'); del x\n"
+              "y = torch.empty(10 * 2**20, dtype=torch.uint8, device='cuda')\n"
+              "s = torch.cuda.memory_stats()\n"
+              "print(torch.cuda.memory_reserved() // 2**20, s['num_device_alloc'], s['max_split_size'] // 2**20)\n")
+    # without the setting the 10 MiB request splits the cached 30 MiB block
+    assert run(script).stdout.split() == ["30", "1", "-1"]  # max_split_size: unlimited (SIZE_MAX), as on a GPU
+    limited = run(script, alloc_conf={"PYTORCH_HIP_ALLOC_CONF": "max_split_size_mb:20"})  # AMD's own variable
+    assert limited.stdout.split() == ["40", "2", "20"], limited.stderr
+
+
+def test_a_failed_segment_reservation_frees_the_cache_and_retries(tmp_path):
+    script = ("import torch\n"
+              "x = torch.empty(600 * 2**20, dtype=torch.uint8, device='cuda'); del x\n"
+              "y = torch.empty(700 * 2**20, dtype=torch.uint8, device='cuda')\n"
+              "s = torch.cuda.memory_stats()\n"
+              "print(torch.cuda.memory_reserved() // 2**20, s['num_alloc_retries'], s['num_ooms'])\n")
+    result = run(script, "--profile", tiny_profile(tmp_path))
+    assert result.stdout.split() == ["700", "1", "0"], result.stderr
+
+
+def test_out_of_memory_counts_the_context_and_the_fraction_set_in_the_allocator_config(tmp_path):
+    script = ("import torch\n"
+              "try:\n"
+              "    torch.empty(600 * 2**20, dtype=torch.uint8, device='cuda')\n"
+              "except torch.cuda.OutOfMemoryError as e:\n"
+              "    print(e)\n"
+              "print('ooms', torch.cuda.memory_stats()['num_ooms'])\n")
+    # 1 GiB GPU, 64 MiB context: 600 MiB fits, but not within half of the GPU
+    result = run(script, "--profile", tiny_profile(tmp_path),
+                 alloc_conf={"PYTORCH_CUDA_ALLOC_CONF": "per_process_memory_fraction:0.5"})
+    assert result.returncode == 0, result.stderr
+    assert "Tried to allocate 600.00 MiB. GPU 0 has a total capacity of 1024.00 MiB of which 960.00 MiB" in result.stdout
+    assert "512.00 MiB allowed;" in result.stdout
+    assert "ooms 1" in result.stdout
+    result = run(script, "--profile", tiny_profile(tmp_path, context_bytes=500 * MiB))
+    assert "of which 524.00 MiB is free" in result.stdout  # the context alone holds the rest
+    assert "this process has 500.00 MiB memory in use" in result.stdout
