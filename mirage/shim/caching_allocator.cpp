@@ -63,6 +63,10 @@ void DeviceCache::update(Stat& stat, int64_t delta) {
   (delta > 0 ? stat.allocated : stat.freed) += delta > 0 ? delta : -delta;
 }
 
+void DeviceCache::tell(TraceAction action, const CachedBlock* block) const {
+  if (observe_) (*observe_)(action, block->address, block->size, block->stream);
+}
+
 bool DeviceCache::take_free_block(BlockPool& pool, size_t size, int64_t stream, CachedBlock*& out) {
   CachedBlock key{stream, size, 0, 0, &pool};
   auto it = pool.blocks.lower_bound(&key);
@@ -89,10 +93,12 @@ bool DeviceCache::new_segment(BlockPool& pool, size_t size, int64_t stream, bool
   update(stats_.reserved_bytes, pool.is_small, static_cast<int64_t>(bytes));
   if (bytes >= max_split_size()) update(stats_.oversize_segments, 1);
   stats_.num_device_alloc += 1;
+  tell(TraceAction::segment_alloc, out);
   return true;
 }
 
 void DeviceCache::release_segment(CachedBlock* block, const Release& release) {
+  tell(TraceAction::segment_free, block);
   release(block->size);
   reserved_total_ -= static_cast<int64_t>(block->size);
   block->pool->blocks.erase(block);
@@ -136,8 +142,10 @@ void DeviceCache::release_segments_locked(const Release& release) {
   }
 }
 
-CachedBlock* DeviceCache::allocate(size_t requested, int64_t stream, const Reserve& reserve, const Release& release) {
+CachedBlock* DeviceCache::allocate(size_t requested, int64_t stream, const Reserve& reserve, const Release& release,
+                                   const Observer* observe) {
   std::lock_guard<std::mutex> lock(mu_);
+  observe_ = observe;
   const size_t size = round_size(requested);
   BlockPool& pool = size <= cfg::kSmallSize ? small_ : large_;
   CachedBlock* block = nullptr;
@@ -146,6 +154,8 @@ CachedBlock* DeviceCache::allocate(size_t requested, int64_t stream, const Reser
       ((release_segments_locked(release), true) && new_segment(pool, size, stream, true, reserve, block));
   if (!found) {
     stats_.num_ooms += 1;
+    if (observe) (*observe)(TraceAction::oom, 0, size, stream);
+    observe_ = nullptr;
     return nullptr;
   }
   const bool already_split = block->is_split();
@@ -181,6 +191,8 @@ CachedBlock* DeviceCache::allocate(size_t requested, int64_t stream, const Reser
   update(stats_.active_bytes, pool.is_small, static_cast<int64_t>(block->size));
   update(stats_.requested_bytes, pool.is_small, static_cast<int64_t>(requested));
   if (block->size >= max_split_size()) update(stats_.oversize_allocations, 1);
+  tell(TraceAction::alloc, block);
+  observe_ = nullptr;
   return block;
 }
 
@@ -201,8 +213,12 @@ size_t DeviceCache::merge(CachedBlock* dst, CachedBlock* src) {
   return subsumed;
 }
 
-void DeviceCache::free(CachedBlock* block) {
+void DeviceCache::free(CachedBlock* block, const Observer* observe) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (observe) {  // work is synchronous: the free completes as it is requested
+    (*observe)(TraceAction::free_requested, block->address, block->size, block->stream);
+    (*observe)(TraceAction::free_completed, block->address, block->size, block->stream);
+  }
   const bool small = block->pool->is_small;
   const int64_t size = static_cast<int64_t>(block->size);
   const int64_t requested = static_cast<int64_t>(block->requested);
@@ -225,9 +241,11 @@ void DeviceCache::free(CachedBlock* block) {
   update(stats_.requested_bytes, small, -requested);
 }
 
-void DeviceCache::release_cached(const Release& release) {
+void DeviceCache::release_cached(const Release& release, const Observer* observe) {
   std::lock_guard<std::mutex> lock(mu_);
+  observe_ = observe;
   release_segments_locked(release);
+  observe_ = nullptr;
 }
 
 c10::CachingDeviceAllocator::DeviceStats DeviceCache::stats() {

@@ -63,6 +63,10 @@ struct SegmentView {
   std::vector<Block> blocks;
 };
 
+// What the allocator did, for torch.cuda.memory._record_memory_history (its TraceEntry actions).
+enum class TraceAction { alloc, free_requested, free_completed, segment_alloc, segment_free, oom };
+using Observer = std::function<void(TraceAction action, uint64_t address, size_t size, int64_t stream)>;
+
 class DeviceCache {
  public:
   // Reserves `bytes` of device memory for a new segment, given the bytes already reserved; false
@@ -72,10 +76,12 @@ class DeviceCache {
 
   // The block for a request of `requested` bytes on `stream`, or nullptr when even after freeing
   // every cached segment there is no room (num_ooms counts it; the caller raises).
-  CachedBlock* allocate(size_t requested, int64_t stream, const Reserve& reserve, const Release& release);
-  void free(CachedBlock* block);
+  // `observe`, when given, hears every action of the call (with the cache's lock held).
+  CachedBlock* allocate(size_t requested, int64_t stream, const Reserve& reserve, const Release& release,
+                        const Observer* observe = nullptr);
+  void free(CachedBlock* block, const Observer* observe = nullptr);
   // Releases every cached segment with no allocated block (torch.cuda.empty_cache).
-  void release_cached(const Release& release);
+  void release_cached(const Release& release, const Observer* observe = nullptr);
 
   c10::CachingDeviceAllocator::DeviceStats stats();
   void reset_peak();
@@ -95,12 +101,14 @@ class DeviceCache {
   size_t merge(CachedBlock* dst, CachedBlock* src);
   void update(c10::CachingDeviceAllocator::StatArray& stat, bool small, int64_t delta);
   void update(c10::CachingDeviceAllocator::Stat& stat, int64_t delta);
+  void tell(TraceAction action, const CachedBlock* block) const;
 
   std::mutex mu_;
   BlockPool small_{{}, true}, large_{{}, false};
   std::set<CachedBlock*> active_;
   uint64_t next_address_ = 0x7f0000000000ULL;
   int64_t reserved_total_ = 0;
+  const Observer* observe_ = nullptr;  // the current call's, while it holds the lock
   c10::CachingDeviceAllocator::DeviceStats stats_;
 };
 

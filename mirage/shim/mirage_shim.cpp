@@ -30,6 +30,7 @@
 #include <c10/core/impl/alloc_cpu.h>
 #include <c10/util/llvmMathExtras.h>
 #include <torch/csrc/distributed/c10d/reducer_timer.hpp>
+#include <torch/csrc/profiler/combined_traceback.h>
 #include <torch/library.h>
 
 #include "caching_allocator.h"
@@ -42,6 +43,7 @@
 
 #include <array>
 #include <atomic>
+#include <deque>
 #include <chrono>
 #include <string>
 #include <map>
@@ -324,13 +326,77 @@ static void check_index(DeviceIndex index) {
 
 // ---------------------------------------------------------------- allocator
 
+// torch.cuda.memory._record_memory_history: while enabled, every action of a device's allocator,
+// with the Python stack of the call that caused it (gathered before the allocator's lock is taken:
+// gathering may wait for the GIL), and each live block's allocation stack for snapshots.
+struct HistoryEntry {
+  TraceAction action;
+  uint64_t address;
+  size_t size;
+  int64_t stream;
+  int64_t time_us;
+  std::shared_ptr<torch::CapturedTraceback> frames;
+};
+struct MemoryHistory {
+  std::atomic<bool> enabled{false};
+  std::atomic<bool> stacks{true};
+  std::mutex mu;
+  size_t max_entries = SIZE_MAX;
+  std::array<std::deque<HistoryEntry>, kMaxDevices> traces;
+  std::array<std::unordered_map<uint64_t, std::shared_ptr<torch::CapturedTraceback>>, kMaxDevices> block_frames;
+};
+static MemoryHistory g_history;
+
+static std::shared_ptr<torch::CapturedTraceback> gather_stack() {
+  if (!g_history.stacks.load(std::memory_order_relaxed)) return nullptr;
+  return torch::CapturedTraceback::gather(/*python=*/true, /*script=*/false, /*cpp=*/false);
+}
+
+static Observer history_observer(DeviceIndex dev, std::shared_ptr<torch::CapturedTraceback> frames) {
+  return [dev, frames = std::move(frames)](TraceAction action, uint64_t address, size_t size, int64_t stream) {
+    const int64_t now = std::chrono::duration_cast<std::chrono::microseconds>(
+        std::chrono::system_clock::now().time_since_epoch()).count();
+    std::lock_guard<std::mutex> g(g_history.mu);
+    auto& trace = g_history.traces[dev];
+    trace.push_back({action, address, size, stream, now, frames});
+    while (trace.size() > g_history.max_entries) trace.pop_front();
+    if (action == TraceAction::alloc) g_history.block_frames[dev][address] = frames;
+    if (action == TraceAction::free_completed) g_history.block_frames[dev].erase(address);
+  };
+}
+
 // A block of the device's caching allocator for `nbytes`; raises the allocator's OOM error.
 static CachedBlock* allocate_block(DeviceIndex dev, size_t nbytes) {
-  CachedBlock* block = g_caches[dev].allocate(
-      nbytes, tl_stream[dev], [dev](size_t bytes, int64_t reserved_now) { return reserve_segment(dev, bytes, reserved_now); },
-      [dev](size_t bytes) { release_segment_bytes(dev, bytes); });
+  auto reserve = [dev](size_t bytes, int64_t reserved_now) { return reserve_segment(dev, bytes, reserved_now); };
+  auto release = [dev](size_t bytes) { release_segment_bytes(dev, bytes); };
+  CachedBlock* block = nullptr;
+  if (C10_UNLIKELY(g_history.enabled.load(std::memory_order_relaxed))) {
+    const Observer observe = history_observer(dev, gather_stack());
+    block = g_caches[dev].allocate(nbytes, tl_stream[dev], reserve, release, &observe);
+  } else {
+    block = g_caches[dev].allocate(nbytes, tl_stream[dev], reserve, release);
+  }
   if (!block) raise_oom(dev, static_cast<int64_t>(DeviceCache::segment_size_for(nbytes)));
   return block;
+}
+
+static void free_device_block(DeviceIndex dev, CachedBlock* block) {
+  if (C10_UNLIKELY(g_history.enabled.load(std::memory_order_relaxed))) {
+    const Observer observe = history_observer(dev, gather_stack());
+    g_caches[dev].free(block, &observe);
+  } else {
+    g_caches[dev].free(block);
+  }
+}
+
+static void release_cached_segments(DeviceIndex dev) {
+  auto release = [dev](size_t bytes) { release_segment_bytes(dev, bytes); };
+  if (g_history.enabled.load(std::memory_order_relaxed)) {
+    const Observer observe = history_observer(dev, gather_stack());
+    g_caches[dev].release_cached(release, &observe);
+  } else {
+    g_caches[dev].release_cached(release);
+  }
 }
 
 // Block layout: [header: the allocator's block, device][user data...]. The header lets the
@@ -342,7 +408,7 @@ struct BlockHeader {
 
 static void free_block(void* base) {
   auto* h = static_cast<BlockHeader*>(base);
-  g_caches[h->device].free(h->block);
+  free_device_block(h->device, h->block);
   c10::free_cpu(base);
 }
 
@@ -357,7 +423,7 @@ struct DeviceMemoryAllocator final : c10::DeviceAllocator {
     try {
       base = c10::alloc_cpu(n + kHeader);
     } catch (const c10::Error&) {
-      g_caches[dev].free(block);
+      free_device_block(dev, block);
       TORCH_CHECK_WITH(OutOfMemoryError, false, "mirage: the host could not back ", format_size(static_cast<int64_t>(n)),
           " of emulated GPU ", static_cast<int>(dev), " memory (host RAM exhausted; the emulated GPU had room). "
           "Fix: use smaller tensors, fewer ranks, or a machine with more RAM.");
@@ -373,9 +439,7 @@ struct DeviceMemoryAllocator final : c10::DeviceAllocator {
   bool initialized() override { return true; }
   // torch.cuda.empty_cache: every device's cached segments go back (the MemPool id is not modelled).
   void emptyCache(c10::MempoolId_t) override {
-    for (DeviceIndex dev = 0; dev < config().num_devices; ++dev) {
-      g_caches[dev].release_cached([dev](size_t bytes) { release_segment_bytes(dev, bytes); });
-    }
+    for (DeviceIndex dev = 0; dev < config().num_devices; ++dev) release_cached_segments(dev);
   }
   void recordStream(const c10::DataPtr&, c10::Stream) override {}
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(DeviceIndex dev) override {
@@ -599,7 +663,7 @@ struct AdoptedBytes {
 };
 static void release_adopted(void* ctx) {
   auto* a = static_cast<AdoptedBytes*>(ctx);
-  if (a->block) g_caches[a->device].free(a->block);
+  if (a->block) free_device_block(a->device, a->block);
   delete a;
 }
 
@@ -681,7 +745,7 @@ static void release_segment(void* ctx) {
   munmap(seg->base, seg->nbytes);
   if (seg->block) {
     shm_unlink(seg->name.c_str());
-    g_caches[seg->device].free(seg->block);
+    free_device_block(seg->device, seg->block);
   }
   delete seg;
 }
@@ -1192,6 +1256,53 @@ TORCH_LIBRARY(mirage, m) {
       }
     }
     return rows;
+  });
+  m.def("record_memory_history(bool enabled, bool stacks, int max_entries, bool clear) -> ()",
+        [](bool enabled, bool stacks, int64_t max_entries, bool clear) {
+          std::lock_guard<std::mutex> g(mirage::g_history.mu);
+          mirage::g_history.stacks = stacks;
+          mirage::g_history.max_entries = static_cast<size_t>(std::max<int64_t>(max_entries, 0));  // 0: no trace
+          mirage::g_history.enabled = enabled;
+          if (clear || !enabled) {
+            for (auto& trace : mirage::g_history.traces) trace.clear();
+          }
+          if (!enabled) {
+            for (auto& frames : mirage::g_history.block_frames) frames.clear();
+          }
+        });
+  // A device's recorded history: entries [action, address, size, stream, time_us, stack], live
+  // blocks [address, stack], the stacks as lists of frame indices, and the frames (file, function,
+  // line). A stack of -1: none was gathered.
+  m.def("memory_history(int device) -> (int[][], int[][], int[][], str[], str[], int[])", [](int64_t device) {
+    mirage::check_index(static_cast<c10::DeviceIndex>(device));
+    std::vector<std::vector<int64_t>> entries, blocks;
+    std::vector<torch::CapturedTraceback*> stacks;
+    std::unordered_map<const torch::CapturedTraceback*, int64_t> index;
+    auto stack_of = [&](const std::shared_ptr<torch::CapturedTraceback>& tb) -> int64_t {
+      if (!tb) return -1;
+      auto [it, fresh] = index.emplace(tb.get(), static_cast<int64_t>(stacks.size()));
+      if (fresh) stacks.push_back(tb.get());
+      return it->second;
+    };
+    std::lock_guard<std::mutex> g(mirage::g_history.mu);
+    for (const auto& e : mirage::g_history.traces[device]) {
+      entries.push_back({static_cast<int64_t>(e.action), static_cast<int64_t>(e.address), static_cast<int64_t>(e.size),
+                         e.stream, e.time_us, stack_of(e.frames)});
+    }
+    for (const auto& [address, tb] : mirage::g_history.block_frames[device]) {
+      blocks.push_back({static_cast<int64_t>(address), stack_of(tb)});
+    }
+    const torch::SymbolizedTracebacks symbolized = torch::symbolize(stacks);
+    std::vector<std::vector<int64_t>> frame_lists;
+    for (const auto& tb : symbolized.tracebacks) frame_lists.emplace_back(tb.begin(), tb.end());
+    std::vector<std::string> files, names;
+    std::vector<int64_t> lines;
+    for (const auto& frame : symbolized.all_frames) {
+      files.push_back(frame.filename);
+      names.push_back(frame.funcname);
+      lines.push_back(static_cast<int64_t>(frame.lineno));
+    }
+    return std::make_tuple(entries, blocks, frame_lists, files, names, lines);
   });
   m.def("share_storage_memory(Tensor t) -> str", [](const at::Tensor& t) { return mirage::share_storage(t); });
   m.def("open_shared_storage(str name, int nbytes, int device) -> Tensor",

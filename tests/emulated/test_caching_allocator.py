@@ -105,3 +105,33 @@ def test_memory_summary_and_snapshot_show_the_segments(fresh_device):
     assert [b["state"] for b in segment["blocks"]] == ["active_allocated", "inactive"]
     assert [b["size"] for b in segment["blocks"]] == [3 * MiB, 17 * MiB]
     del x
+
+
+def allocate_for_the_history():
+    return torch.empty(3 * MiB, dtype=torch.uint8, device=DEVICE)
+
+
+def test_memory_history_records_each_action_with_its_python_stack(fresh_device, tmp_path):
+    from torch.cuda import _memory_viz
+
+    torch.cuda.memory._record_memory_history(max_entries=1000)
+    try:
+        x = allocate_for_the_history()
+        del x
+        torch.cuda.empty_cache()
+        kept = allocate_for_the_history()
+        path = tmp_path / "snapshot.pickle"
+        torch.cuda.memory._dump_snapshot(str(path))
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    with open(path, "rb") as f:
+        snapshot = torch.serialization.pickle.load(f)
+    trace = snapshot["device_traces"][DEVICE.index]
+    assert [e["action"] for e in trace] == ["segment_alloc", "alloc", "free_requested", "free_completed",
+                                             "segment_free", "segment_alloc", "alloc"]
+    assert trace[1]["size"] == 3 * MiB and trace[1]["frames"][0]["name"] == "allocate_for_the_history"
+    (segment,) = [s for s in snapshot["segments"] if s["device"] == DEVICE.index]
+    assert segment["blocks"][0]["frames"][0]["name"] == "allocate_for_the_history"
+    assert "total_reserved: 20.0MiB" in _memory_viz.segsum(snapshot)  # PyTorch's own tool reads it
+    assert torch.cuda.memory._snapshot()["device_traces"][DEVICE.index] == []  # disabling clears it
+    del kept
