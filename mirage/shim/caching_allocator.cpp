@@ -191,7 +191,7 @@ CachedBlock* DeviceCache::allocate(size_t requested, int64_t stream, const Reser
   update(stats_.active_bytes, pool.is_small, static_cast<int64_t>(block->size));
   update(stats_.requested_bytes, pool.is_small, static_cast<int64_t>(requested));
   if (block->size >= max_split_size()) update(stats_.oversize_allocations, 1);
-  tell(TraceAction::alloc, block);
+  if (observe_) (*observe_)(TraceAction::alloc, block->address, requested, stream);  // the request, as CUDA's
   observe_ = nullptr;
   return block;
 }
@@ -216,8 +216,8 @@ size_t DeviceCache::merge(CachedBlock* dst, CachedBlock* src) {
 void DeviceCache::free(CachedBlock* block, const Observer* observe) {
   std::lock_guard<std::mutex> lock(mu_);
   if (observe) {  // work is synchronous: the free completes as it is requested
-    (*observe)(TraceAction::free_requested, block->address, block->size, block->stream);
-    (*observe)(TraceAction::free_completed, block->address, block->size, block->stream);
+    (*observe)(TraceAction::free_requested, block->address, block->requested, block->stream);
+    (*observe)(TraceAction::free_completed, block->address, block->requested, block->stream);
   }
   const bool small = block->pool->is_small;
   const int64_t size = static_cast<int64_t>(block->size);

@@ -63,7 +63,8 @@ struct SegmentView {
   std::vector<Block> blocks;
 };
 
-// What the allocator did, for torch.cuda.memory._record_memory_history (its TraceEntry actions).
+// What the allocator did, for torch.cuda.memory._record_memory_history (its TraceEntry actions; the
+// size of an alloc or free is the caller's request, of a segment action the segment's).
 enum class TraceAction { alloc, free_requested, free_completed, segment_alloc, segment_free, oom };
 using Observer = std::function<void(TraceAction action, uint64_t address, size_t size, int64_t stream)>;
 
