@@ -14,8 +14,8 @@ import sys
 from types import ModuleType
 
 from mirage import profiles
-from mirage.runtime import (autograd_threads, cuda_comm, cuda_graphs, cuda_ipc, cuda_memory, cuda_runtime, device_queries,
-                            distributed, legacy_tensor_types, nvtx, visible_devices)
+from mirage.runtime import (autograd_threads, cuda_comm, cuda_graphs, cuda_ipc, cuda_memory, cuda_runtime, cudnn,
+                            device_queries, distributed, legacy_tensor_types, nvtx, visible_devices)
 
 # What a ROCm / CUDA build of torch 2.13 reports as its toolkit version.
 _HIP_VERSION = "7.0.51831-a3e329ad8"
@@ -277,6 +277,7 @@ def install(torch: ModuleType) -> None:
     device_queries.install(torch, profile)
     cuda_runtime.install(torch, profile)
     cuda_memory.install(torch)
+    cudnn.install(torch, profile.is_amd)
     cuda_graphs.install(torch)
     cuda_ipc.install(torch)
     legacy_tensor_types.install(torch)

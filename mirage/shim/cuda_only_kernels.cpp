@@ -1,6 +1,7 @@
 // Operators a CUDA build has a CUDA kernel for and a CPU build has no kernel for at all, which
-// distributed code reaches: record_stream, and the SyncBatchNorm family (torch/nn/modules/_functions.py calls them
-// on the device). Each follows its CUDA definition (aten/src/ATen/native/cuda/Normalization.cu):
+// training code reaches: record_stream, the SyncBatchNorm family (torch/nn/modules/_functions.py
+// calls them on the device), and the fused LSTM / GRU cells that nn.LSTM / nn.GRU / nn.LSTMCell
+// run on a CUDA device without cuDNN (aten/src/ATen/native/cuda/RNN.cu). Each follows its CUDA definition (aten/src/ATen/native/cuda/Normalization.cu):
 // statistics in the accumulate type (float for half and bfloat16 inputs), biased variance
 // inside invstd = 1 / sqrt(var + eps), the running variance updated with the unbiased one. They
 // are written with ATen ops on the device tensors, so each step runs the CPU kernel in place
@@ -128,13 +129,90 @@ Tensor batch_norm_backward_elemt(const Tensor& grad_out, const Tensor& input, co
 
 // Tensor.record_stream (FSDP, ZeRO-3 prefetch, overlap schemes): on a GPU it tells the caching
 // allocator not to reuse the block until the stream's queued work is done. Emulated work runs
-// when it is issued and the allocator does not cache, so the block is already free to reuse.
+// when it is issued, so that work is done by the time the block is freed.
 void record_stream(Tensor& /*self*/, c10::Stream /*stream*/) {}
+
+// The fused LSTM cell: gates = input_gates + hidden_gates (+ both biases), i f g o activated,
+// cy = f*cx + i*g, hy = o*tanh(cy); the workspace keeps the activated gates for the backward.
+// Computed in the accumulate type, as the CUDA kernel does.
+std::tuple<Tensor, Tensor, Tensor> fused_lstm_cell(const Tensor& input_gates, const Tensor& hidden_gates,
+                                                   const Tensor& cx, const std::optional<Tensor>& input_bias,
+                                                   const std::optional<Tensor>& hidden_bias) {
+  const auto acc = acc_type(input_gates);
+  Tensor gates = input_gates.to(acc) + hidden_gates.to(acc);
+  if (input_bias && input_bias->defined()) gates = gates + input_bias->to(acc) + hidden_bias->to(acc);
+  const auto chunks = gates.chunk(4, 1);
+  const Tensor i = chunks[0].sigmoid(), f = chunks[1].sigmoid(), g = chunks[2].tanh(), o = chunks[3].sigmoid();
+  const Tensor cy = f * cx.to(acc) + i * g;
+  const Tensor hy = o * cy.tanh();
+  const auto type = input_gates.scalar_type();
+  return {hy.to(type), cy.to(type), at::cat({i, f, g, o}, 1).to(type)};
+}
+
+std::tuple<Tensor, Tensor, Tensor> fused_lstm_cell_backward_impl(const std::optional<Tensor>& grad_hy,
+    const std::optional<Tensor>& grad_cy, const Tensor& cx, const Tensor& cy, const Tensor& workspace, bool has_bias) {
+  if (!(grad_hy && grad_hy->defined()) && !(grad_cy && grad_cy->defined())) return {Tensor(), Tensor(), Tensor()};
+  const auto acc = acc_type(workspace);
+  const auto gates = workspace.to(acc).chunk(4, 1);
+  const Tensor &i = gates[0], &f = gates[1], &g = gates[2], &o = gates[3];
+  const Tensor tanh_cy = cy.to(acc).tanh();
+  const Tensor ghy = grad_hy && grad_hy->defined() ? grad_hy->to(acc) : at::zeros_like(tanh_cy);
+  Tensor gcy = ghy * o * (1 - tanh_cy * tanh_cy);
+  if (grad_cy && grad_cy->defined()) gcy = gcy + grad_cy->to(acc);
+  const Tensor grad_gates = at::cat({gcy * g * i * (1 - i), gcy * cx.to(acc) * f * (1 - f), gcy * i * (1 - g * g),
+                                     ghy * tanh_cy * o * (1 - o)}, 1);
+  const auto type = workspace.scalar_type();
+  const Tensor grad_bias = has_bias ? grad_gates.sum(0).to(type) : Tensor();
+  return {grad_gates.to(type), (gcy * f).to(type), grad_bias};
+}
+
+// The fused GRU cell: r = sigmoid(ir + hr), z = sigmoid(iz + hz), n = tanh(in + r * hn),
+// hy = n + z * (hx - n); the workspace keeps r, z, n, hx and hn (with its bias).
+std::tuple<Tensor, Tensor> fused_gru_cell(const Tensor& input_gates, const Tensor& hidden_gates, const Tensor& hx,
+                                          const std::optional<Tensor>& input_bias,
+                                          const std::optional<Tensor>& hidden_bias) {
+  const auto acc = acc_type(input_gates);
+  Tensor in_gates = input_gates.to(acc), h_gates = hidden_gates.to(acc);
+  if (input_bias && input_bias->defined()) {
+    in_gates = in_gates + input_bias->to(acc);
+    h_gates = h_gates + hidden_bias->to(acc);
+  }
+  const auto ic = in_gates.chunk(3, 1), hc = h_gates.chunk(3, 1);
+  const Tensor r = (ic[0] + hc[0]).sigmoid(), z = (ic[1] + hc[1]).sigmoid();
+  const Tensor n = (ic[2] + r * hc[2]).tanh();
+  const Tensor h = hx.to(acc);
+  const Tensor hy = n + z * (h - n);
+  const auto type = input_gates.scalar_type();
+  return {hy.to(type), at::cat({r, z, n, h, hc[2]}, 1).to(type)};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_gru_cell_backward(const Tensor& grad_hy,
+                                                                           const Tensor& workspace, bool has_bias) {
+  const auto acc = acc_type(workspace);
+  const auto w = workspace.to(acc).chunk(5, 1);
+  const Tensor &r = w[0], &z = w[1], &n = w[2], &hx = w[3], &hn = w[4];
+  const Tensor go = grad_hy.to(acc);
+  const Tensor gz = go * (hx - n) * (1 - z) * z;
+  const Tensor gin = go * (1 - z) * (1 - n * n);
+  const Tensor gr = gin * hn * (1 - r) * r;
+  const auto type = workspace.scalar_type();
+  const Tensor grad_input = at::cat({gr, gz, gin}, 1), grad_hidden = at::cat({gr, gz, gin * r}, 1);
+  Tensor grad_input_bias, grad_hidden_bias;
+  if (has_bias) {
+    grad_input_bias = grad_input.sum(0).to(type);
+    grad_hidden_bias = grad_hidden.sum(0).to(type);
+  }
+  return {grad_input.to(type), grad_hidden.to(type), (go * z).to(type), grad_input_bias, grad_hidden_bias};
+}
 
 }  // namespace
 }  // namespace mirage
 
 TORCH_LIBRARY_IMPL(aten, CUDA, m) {
+  m.impl("_thnn_fused_lstm_cell", TORCH_FN(mirage::fused_lstm_cell));
+  m.impl("_thnn_fused_lstm_cell_backward_impl", TORCH_FN(mirage::fused_lstm_cell_backward_impl));
+  m.impl("_thnn_fused_gru_cell", TORCH_FN(mirage::fused_gru_cell));
+  m.impl("_thnn_fused_gru_cell_backward", TORCH_FN(mirage::fused_gru_cell_backward));
   m.impl("record_stream", TORCH_FN(mirage::record_stream));
   m.impl("batch_norm_stats", TORCH_FN(mirage::batch_norm_stats));
   m.impl("batch_norm_gather_stats", TORCH_FN(mirage::batch_norm_gather_stats));

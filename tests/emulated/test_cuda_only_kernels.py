@@ -1,0 +1,58 @@
+"""Kernels a CUDA build has and a CPU build lacks, reached by ordinary training code: the fused
+LSTM / GRU cells nn.LSTM / nn.GRU / nn.LSTMCell / nn.GRUCell run on a CUDA device."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+@pytest.mark.parametrize("bias", [True, False])
+def test_recurrent_layers_train_on_the_device_with_the_cpu_gradients(cls, bias):
+    torch.manual_seed(0)
+    cpu = cls(8, 16, num_layers=2, batch_first=True, bias=bias)
+    device = copy.deepcopy(cpu).cuda()
+    x = torch.randn(4, 5, 8)
+    expected, _ = cpu(x)
+    expected.square().sum().backward()
+    got, _ = device(x.cuda())
+    got.square().sum().backward()
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-6)
+    for a, b in zip(cpu.parameters(), device.parameters()):
+        assert b.grad.is_cuda
+        torch.testing.assert_close(b.grad.cpu(), a.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("cls", [nn.LSTMCell, nn.GRUCell])
+def test_recurrent_cells_run_their_fused_cuda_kernels(cls):
+    torch.manual_seed(0)
+    cpu = cls(8, 16)
+    device = copy.deepcopy(cpu).cuda()
+    x = torch.randn(3, 8)
+    expected = cpu(x)
+    got = device(x.cuda())
+    expected, got = (expected[0], got[0]) if cls is nn.LSTMCell else (expected, got)
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-6)
+    got.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(device.weight_hh.grad.cpu(), cpu.weight_hh.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_an_lstm_under_autocast_computes_in_half():
+    lstm = nn.LSTM(8, 16).cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        out, (h, c) = lstm(torch.randn(5, 3, 8, device="cuda"))
+    assert out.dtype == torch.float16 and out.is_cuda
+
+
+def test_cudnn_is_reported_as_a_rocm_build_reports_miopen():
+    import warnings
+
+    assert torch.backends.cudnn.is_available() and torch.backends.cudnn.enabled
+    assert torch.backends.cudnn.version() == 30500  # MIOpen 3.5.0, as torch.version.hip's ROCm 7.0 ships
+    assert torch.backends.cudnn.is_acceptable(torch.ones(1, device="cuda"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "compiled without cuDNN/MIOpen" warning
+        nn.LSTM(4, 8).cuda()(torch.randn(3, 2, 4, device="cuda"))
