@@ -56,3 +56,30 @@ def test_cudnn_is_reported_as_a_rocm_build_reports_miopen():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "compiled without cuDNN/MIOpen" warning
         nn.LSTM(4, 8).cuda()(torch.randn(3, 2, 4, device="cuda"))
+
+
+def test_forcing_a_fused_attention_backend_runs_that_backend():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 40, 32, dtype=torch.float16) for _ in range(3))
+    expected = nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    for backend, node in ((SDPBackend.FLASH_ATTENTION, "ScaledDotProductFlashAttentionBackward0"),
+                          (SDPBackend.EFFICIENT_ATTENTION, "ScaledDotProductEfficientAttentionBackward0")):
+        qd, kd, vd = (t.cuda().requires_grad_() for t in (q, k, v))
+        with sdpa_kernel(backend):
+            out = nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+        assert type(out.grad_fn).__name__ == node
+        torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-3, atol=2e-3)
+        out.sum().backward()
+        assert qd.grad.shape == q.shape and qd.grad.dtype == torch.float16
+    # the CUDA signatures: flash's logsumexp (B, H, L); memory-efficient's rounded up to 32 rows
+    qd = q.cuda()
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(qd, qd, qd)
+    assert lse.shape == (2, 4, 40) and lse.dtype == torch.float32
+    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(qd, qd, qd, None, True)
+    assert lse.shape == (2, 4, 64)
+    # flash takes half precision only: with only flash allowed, a float32 call has no kernel, as on a GPU
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), pytest.raises(RuntimeError, match="No available kernel"):
+        nn.functional.scaled_dot_product_attention(*(t.float().cuda() for t in (q, k, v)))
+    assert torch._fused_sdp_choice(qd, qd, qd) == SDPBackend.FLASH_ATTENTION.value  # a GPU's default choice

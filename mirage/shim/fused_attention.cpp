@@ -1,0 +1,152 @@
+// Fused scaled-dot-product attention on the emulated device, as a CUDA (or ROCm) build runs it.
+//
+// F.scaled_dot_product_attention picks its backend through a DispatchStub that a CPU build has no
+// CUDA entry for, so on the device every call took the math backend, whatever sdpa_kernel asked.
+// This registers the CUDA entry: the choice a GPU build makes (flash attention, then memory-
+// efficient attention, then math, in the context's priority order, each only if enabled and if
+// the inputs meet its constraints; "No available kernel" when none does), and the CUDA-only flash
+// and memory-efficient operators with their CUDA signatures (logsumexp, philox seed and offset),
+// computed by PyTorch's CPU flash-attention kernel. So a forced fused backend gives that
+// backend's results and autograd nodes. Not emulated: dropout inside a fused kernel (the CPU
+// kernel has none; a call with dropout takes math), cuDNN attention (never chosen).
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/native/DispatchStub.h>
+#include <ATen/native/transformers/attention.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <tuple>
+
+namespace mirage {
+namespace {
+
+using at::Tensor;
+using at::SDPBackend;
+
+bool half_precision(const Tensor& t) { return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16; }
+
+// What both fused kernels require of the inputs: 4-D (batch, heads, length, head dim), one head
+// dim for all three, a multiple of 8 up to 256, no dropout (see above), and equal head counts.
+bool fused_shapes_fit(const Tensor& q, const Tensor& k, const Tensor& v, double dropout_p, bool enable_gqa) {
+  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4 || q.is_nested()) return false;
+  const int64_t head_dim = q.size(-1);
+  if (k.size(-1) != head_dim || v.size(-1) != head_dim || head_dim % 8 != 0 || head_dim > 256) return false;
+  if (dropout_p > 0.0) return false;
+  return !enable_gqa || q.size(1) == k.size(1);
+}
+
+int64_t choose_backend(const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& mask,
+                       double dropout_p, bool /*is_causal*/, std::optional<double> /*scale*/, bool enable_gqa) {
+  auto& ctx = at::globalContext();
+  const bool shapes = fused_shapes_fit(q, k, v, dropout_p, enable_gqa);
+  for (SDPBackend backend : ctx.sDPPriorityOrder()) {
+    switch (backend) {
+      case SDPBackend::flash_attention:
+        if (ctx.userEnabledFlashSDP() && shapes && half_precision(q) && !(mask && mask->defined())) {
+          return static_cast<int64_t>(backend);
+        }
+        break;
+      case SDPBackend::efficient_attention:
+        if (ctx.userEnabledMemEfficientSDP() && shapes && (half_precision(q) || q.scalar_type() == at::kFloat)) {
+          return static_cast<int64_t>(backend);
+        }
+        break;
+      case SDPBackend::math:
+        if (ctx.userEnabledMathSDP()) return static_cast<int64_t>(backend);
+        break;
+      default:
+        break;
+    }
+  }
+  TORCH_CHECK(false, "No available kernel. Aborting execution.");
+}
+
+Tensor empty_like_none(const Tensor& like) { return at::empty({0}, like.options()); }
+
+// (B, H, L, E) query; the CPU kernel's logsumexp is (B, H, L) in float, as CUDA's flash returns it.
+std::tuple<Tensor, Tensor, Tensor, Tensor, c10::SymInt, c10::SymInt, Tensor, Tensor, Tensor> flash_attention(
+    const Tensor& query, const Tensor& key, const Tensor& value, double dropout_p, bool is_causal,
+    bool /*return_debug_mask*/, std::optional<double> scale) {
+  TORCH_CHECK(dropout_p == 0.0, "mirage: flash attention with dropout is not emulated (the CPU kernel has none)");
+  auto [out, logsumexp] = at::_scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, {}, scale);
+  const Tensor rng = at::empty({2}, query.options().dtype(at::kLong));
+  rng.zero_();
+  return {out, logsumexp.to(at::kFloat), Tensor(), Tensor(), query.sym_size(2), key.sym_size(2), rng,
+          empty_like_none(rng), empty_like_none(query)};
+}
+
+std::tuple<Tensor, Tensor, Tensor> flash_attention_backward(const Tensor& grad_out, const Tensor& query,
+    const Tensor& key, const Tensor& value, const Tensor& out, const Tensor& logsumexp, const Tensor&, const Tensor&,
+    c10::SymInt, c10::SymInt, double dropout_p, bool is_causal, const Tensor&, const Tensor&,
+    std::optional<double> scale) {
+  return at::_scaled_dot_product_flash_attention_for_cpu_backward(grad_out, query, key, value, out, logsumexp,
+                                                                   dropout_p, is_causal, {}, scale);
+}
+
+// Memory-efficient attention's logsumexp is (B, H, L rounded up to 32), float; the rows past L
+// hold no value.
+constexpr int64_t kLogsumexpRows = 32;
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> efficient_attention(const Tensor& query, const Tensor& key,
+    const Tensor& value, const std::optional<Tensor>& attn_bias, bool compute_log_sumexp, double dropout_p,
+    bool is_causal, std::optional<double> scale) {
+  TORCH_CHECK(dropout_p == 0.0, "mirage: memory-efficient attention with dropout is not emulated");
+  const std::optional<Tensor> mask = attn_bias && attn_bias->defined() ? std::optional<Tensor>(attn_bias->to(query.scalar_type()))
+                                                                       : std::nullopt;
+  auto [out, logsumexp] = at::_scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, mask, scale);
+  const int64_t length = query.size(2);
+  const int64_t rows = compute_log_sumexp ? (length + kLogsumexpRows - 1) / kLogsumexpRows * kLogsumexpRows : 0;
+  Tensor lse = at::full({query.size(0), query.size(1), rows}, std::numeric_limits<float>::infinity(),
+                        query.options().dtype(at::kFloat));
+  if (rows > 0) lse.narrow(2, 0, length).copy_(logsumexp);
+  const Tensor seed = at::zeros({}, query.options().dtype(at::kLong));
+  return {out, lse, seed, seed.clone()};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> efficient_attention_backward(const Tensor& grad_out, const Tensor& query,
+    const Tensor& key, const Tensor& value, const Tensor& attn_bias, const Tensor& out, const Tensor& logsumexp,
+    const Tensor&, const Tensor&, double dropout_p, std::array<bool, 4> grad_input_mask, bool is_causal,
+    std::optional<double> scale) {
+  const Tensor lse = logsumexp.narrow(2, 0, query.size(2)).contiguous();
+  if (!(attn_bias.defined() && grad_input_mask[3])) {
+    const std::optional<Tensor> mask = attn_bias.defined() ? std::optional<Tensor>(attn_bias.to(query.scalar_type()))
+                                                           : std::nullopt;
+    auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(grad_out, query, key, value, out, lse,
+                                                                               dropout_p, is_causal, mask, scale);
+    return {gq, gk, gv, Tensor()};
+  }
+  // The bias's gradient too (the CPU kernel gives none): from the probabilities the logsumexp
+  // gives back, P = exp(S - lse), dS = P * (dP - rowsum(dO * O)), and dbias = dS summed to its shape.
+  const auto acc = at::kFloat;
+  const Tensor q = query.to(acc), k = key.to(acc), v = value.to(acc), o = out.to(acc), go = grad_out.to(acc);
+  const double s = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(query.size(-1)));
+  Tensor scores = at::matmul(q, k.transpose(-2, -1)) * s + attn_bias.to(acc);
+  if (is_causal) {
+    const Tensor above = at::ones({query.size(2), key.size(2)}, query.options().dtype(at::kBool)).triu(1);
+    scores = scores.masked_fill(above, -std::numeric_limits<float>::infinity());
+  }
+  const Tensor probs = at::exp(scores - lse.unsqueeze(-1));
+  const Tensor grad_scores = probs * (at::matmul(go, v.transpose(-2, -1)) - (go * o).sum(-1, true));
+  const auto type = query.scalar_type();
+  return {(at::matmul(grad_scores, k) * s).to(type), (at::matmul(grad_scores.transpose(-2, -1), q) * s).to(type),
+          at::matmul(probs.transpose(-2, -1), go).to(type), at::sum_to(grad_scores, attn_bias.sizes()).to(attn_bias.scalar_type())};
+}
+
+}  // namespace
+}  // namespace mirage
+
+namespace at::native {
+REGISTER_CUDA_DISPATCH(_fused_sdp_choice_stub, &mirage::choose_backend)
+}  // namespace at::native
+
+TORCH_LIBRARY_IMPL(aten, CUDA, m) {
+  m.impl("_scaled_dot_product_flash_attention", TORCH_FN(mirage::flash_attention));
+  m.impl("_scaled_dot_product_flash_attention_backward", TORCH_FN(mirage::flash_attention_backward));
+  m.impl("_scaled_dot_product_efficient_attention", TORCH_FN(mirage::efficient_attention));
+  m.impl("_scaled_dot_product_efficient_attention_backward", TORCH_FN(mirage::efficient_attention_backward));
+}
