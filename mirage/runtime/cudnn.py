@@ -25,8 +25,18 @@ def install(torch: ModuleType, amd: bool) -> None:
         getCompileVersion=lambda: (major, minor, patch),
         is_cuda=not amd,
     )
-    torch._C._cudnn = binding
-    torch._C._has_cudnn = True
+    C = torch._C
+    C._cudnn = binding
+    C._has_cudnn = True
+    # The cuDNN settings a CPU build lacks: the benchmark limit (cudnn.flags() saves and restores
+    # it) and inductor's switch for the conv benchmark cache; each keeps what it is given.
+    settings = {"benchmark_limit": 10, "conv_benchmark_empty_cache": True}
+    C._cuda_get_cudnn_benchmark_limit = lambda: settings["benchmark_limit"]
+    C._cuda_set_cudnn_benchmark_limit = lambda limit: settings.update(benchmark_limit=int(limit))
+    C._cudnn_set_conv_benchmark_empty_cache = lambda enable: settings.update(conv_benchmark_empty_cache=bool(enable))
+    # torch.backends.cudnn.benchmark_limit is a property only where cuDNN was found at import
+    type(torch.backends.cudnn).benchmark_limit = torch.backends.ContextProp(
+        C._cuda_get_cudnn_benchmark_limit, C._cuda_set_cudnn_benchmark_limit)
     # torch.backends.cudnn chose its _init when it was imported (a CPU build: "return False");
     # its functions read the module's globals, so they see these.
     cudnn_globals = torch.backends.cudnn.version.__globals__

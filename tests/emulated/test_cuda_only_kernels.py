@@ -53,6 +53,10 @@ def test_cudnn_is_reported_as_a_rocm_build_reports_miopen():
     assert torch.backends.cudnn.is_available() and torch.backends.cudnn.enabled
     assert torch.backends.cudnn.version() == 30500  # MIOpen 3.5.0, as torch.version.hip's ROCm 7.0 ships
     assert torch.backends.cudnn.is_acceptable(torch.ones(1, device="cuda"))
+    with torch.backends.cudnn.flags(enabled=True, benchmark=True, deterministic=True, allow_tf32=False):
+        assert torch.backends.cudnn.benchmark and torch.backends.cudnn.benchmark_limit == 10
+    torch.backends.cudnn.benchmark_limit = 4
+    assert torch.backends.cudnn.benchmark_limit == 4 and not torch.backends.cudnn.benchmark
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "compiled without cuDNN/MIOpen" warning
         nn.LSTM(4, 8).cuda()(torch.randn(3, 2, 4, device="cuda"))
