@@ -909,6 +909,16 @@ static void capture_op(const c10::OperatorHandle& op, torch::jit::Stack* stack) 
   });
 }
 
+// An operator with a CUDA kernel in a CUDA build but no CPU kernel (and no shim kernel): the
+// dispatcher's own message would name the CPU backend, which the caller never asked for.
+[[noreturn]] static void not_emulated(const c10::OperatorHandle& op) {
+  const auto& name = op.schema().operator_name();
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "mirage: ", name.name, name.overload_name.empty() ? "" : ".", name.overload_name,
+      " has a CUDA kernel in a CUDA build of torch but no CPU kernel the emulated device could run, and mirage does "
+      "not emulate it (README: 'CUDA-only operators'). Fix: use the operation it implements through its public "
+      "API (e.g. torch.nn.functional), which takes an emulated path.");
+}
+
 static void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   if (capturing()) return capture_op(op, stack);
   const auto& args = op.schema().arguments();
@@ -974,7 +984,12 @@ static void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::
 
   {
     BusyTimer busy(target);
-    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+    try {
+      op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+    } catch (const c10::NotImplementedError&) {
+      if (op.hasKernelForDispatchKey(c10::DispatchKey::CPU)) throw;
+      not_emulated(op);
+    }
   }
 
   // Writes (in-place / out=) may have resized an alias: carry that back to the device tensor.

@@ -87,3 +87,9 @@ def test_forcing_a_fused_attention_backend_runs_that_backend():
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION), pytest.raises(RuntimeError, match="No available kernel"):
         nn.functional.scaled_dot_product_attention(*(t.float().cuda() for t in (q, k, v)))
     assert torch._fused_sdp_choice(qd, qd, qd) == SDPBackend.FLASH_ATTENTION.value  # a GPU's default choice
+
+
+def test_a_cuda_only_operator_that_is_not_emulated_says_so():
+    a = torch.randn(4, 4, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"mirage: aten::mm\.dtype has a CUDA kernel in a CUDA build"):
+        torch.ops.aten.mm.dtype(a, a, torch.float32)
