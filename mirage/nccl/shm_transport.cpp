@@ -367,13 +367,14 @@ void ShmCommunicator::reduce_scatter(char* out, const char* in, int64_t numel, a
 void ShmCommunicator::broadcast(char* data, int64_t numel, at::ScalarType dtype, int root, const Timing& timing) {
   const Call asked{Kind::kBroadcast, static_cast<int32_t>(dtype), root, 0, numel};
   const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
-  const int64_t chunk = static_cast<int64_t>(kSlotBytes) / item;
+  // Only the root writes: a chunk fills the whole buffer (every rank's slot), one barrier per N slots.
+  const int64_t chunk = static_cast<int64_t>(kSlotBytes) * size_ / item;
   for (int64_t offset = 0; offset == 0 || offset < numel; offset += chunk) {
     const int64_t n = std::min(chunk, numel - offset);
     const int buffer = next_buffer();
-    if (rank_ == root) std::memcpy(slot(buffer, root), data + offset * item, static_cast<size_t>(n * item));
+    if (rank_ == root) std::memcpy(slot(buffer, 0), data + offset * item, static_cast<size_t>(n * item));
     exchange(buffer, asked, offset == 0, timing);
-    if (rank_ != root) std::memcpy(data + offset * item, slot(buffer, root), static_cast<size_t>(n * item));
+    if (rank_ != root) std::memcpy(data + offset * item, slot(buffer, 0), static_cast<size_t>(n * item));
   }
 }
 
