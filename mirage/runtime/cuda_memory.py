@@ -41,12 +41,12 @@ def _history(torch: ModuleType, device: int) -> tuple[list[dict], dict[int, list
 def _segments(torch: ModuleType, device: int, block_stacks: dict[int, list[dict]]) -> list[dict]:
     """The device's segments as torch._C._cuda_memorySnapshot lists them."""
     by_address: dict[int, dict] = {}
-    for (segment_address, total_size, stream, is_small, address, size, requested,
-         allocated) in torch.ops.mirage.memory_segments(device):
+    for (segment_address, total_size, stream, is_small, address, size, requested, allocated, pool0,
+         pool1) in torch.ops.mirage.memory_segments(device):
         segment = by_address.setdefault(segment_address, {
             "device": device, "address": segment_address, "total_size": total_size,
             "allocated_size": 0, "active_size": 0, "requested_size": 0, "stream": stream,
-            "segment_type": "small" if is_small else "large", "segment_pool_id": (0, 0),
+            "segment_type": "small" if is_small else "large", "segment_pool_id": (pool0, pool1),
             "is_expandable": False, "frames": [], "blocks": [],
         })
         segment["blocks"].append({"address": address, "size": size, "requested_size": requested if allocated else 0,
@@ -64,12 +64,15 @@ def install(torch: ModuleType) -> None:
     C = torch._C
 
     def memory_snapshot(pool_and_traces=None) -> dict:
+        """All segments, or with (id0, id1, include_traces) other than (0, 0, ...) a MemPool's."""
         include_traces = pool_and_traces is None or bool(pool_and_traces[2])
+        pool = None if pool_and_traces is None or tuple(pool_and_traces[:2]) == (0, 0) else tuple(pool_and_traces[:2])
         count = torch.cuda.device_count()
         segments, traces = [], []
         for device in range(count):
             trace, block_stacks = _history(torch, device)
-            segments.extend(_segments(torch, device, block_stacks))
+            segments.extend(s for s in _segments(torch, device, block_stacks)
+                            if pool is None or s["segment_pool_id"] == pool)
             traces.append(trace if include_traces else [])
         return {"segments": segments, "device_traces": traces,
                 "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": C._accelerator_getAllocatorSettings()}}

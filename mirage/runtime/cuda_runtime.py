@@ -162,12 +162,22 @@ def install(torch: ModuleType, profile: Profile) -> None:
 
 
 def _give_mem_pools(torch: ModuleType) -> None:
-    """torch.cuda.MemPool and use_mem_pool: accepted. A pool has its id and use count; what is
-    allocated inside `use_mem_pool` comes from the device's one allocator (the emulated allocator
-    keeps no separate pools, so a pool's own snapshot is not available)."""
+    """torch.cuda.MemPool and use_mem_pool: a pool has its id and use count, and what a thread
+    allocates inside `use_mem_pool` comes from the pool's own segments in the shim's allocator
+    model (MemPool.snapshot lists them); a pool given up (releasePool) returns its cached
+    segments. A custom allocator (CUDAPluggableAllocator) is kept but not called."""
     memory = torch.cuda.memory
     pool_ids = iter(range(1, 1 << 62))
-    active: dict[tuple[int, int], int] = {}
+    # A pool's holders, as the real allocator's use_count: its MemPool object, and each
+    # use_mem_pool context until the context's releasePool. At 0 its segments may go.
+    holders: dict[tuple[int, int], int] = {}
+    devices: dict[tuple[int, int], int] = {}
+
+    def let_go(pool_id: tuple[int, int]) -> None:
+        holders[pool_id] -= 1
+        if holders[pool_id] == 0:
+            del holders[pool_id]
+            torch.ops.mirage.release_pool(devices.pop(pool_id), *pool_id)
 
     class EmulatedMemPool:
         """The native half of torch.cuda.MemPool (torch._C._MemPool on a GPU build)."""
@@ -175,6 +185,12 @@ def _give_mem_pools(torch: ModuleType) -> None:
         def __init__(self, allocator=None, is_user_created=True, use_on_oom=False, no_split=False):
             self._id = (0, next(pool_ids)) if is_user_created else (next(pool_ids), 0)
             self._allocator = allocator
+            holders[self._id] = 1
+            devices[self._id] = torch.cuda.current_device()
+
+        def __del__(self) -> None:
+            if getattr(self, "_id", None) in holders:
+                let_go(self._id)
 
         @property
         def id(self) -> tuple[int, int]:
@@ -185,16 +201,23 @@ def _give_mem_pools(torch: ModuleType) -> None:
             return self._allocator
 
         def use_count(self) -> int:
-            return 1 + active.get(self._id, 0)
+            return holders.get(self._id, 0)
 
     def begin(device: int, pool_id) -> None:
-        active[tuple(pool_id)] = active.get(tuple(pool_id), 0) + 1
+        pool_id = tuple(pool_id)
+        holders[pool_id] = holders.get(pool_id, 0) + 1
+        devices.setdefault(pool_id, device)
+        torch.ops.mirage.begin_pool(device, *pool_id)
 
     def end(device: int, pool_id) -> None:
-        active[tuple(pool_id)] = max(0, active.get(tuple(pool_id), 0) - 1)
+        torch.ops.mirage.end_pool(device, *pool_id)
+
+    def release(device: int, pool_id) -> None:
+        if tuple(pool_id) in holders:
+            let_go(tuple(pool_id))
 
     memory.MemPool.__bases__ = (EmulatedMemPool,)
     for module in (torch._C, memory):  # torch.cuda.memory imported these by name
         module._cuda_beginAllocateCurrentThreadToPool = begin
         module._cuda_endAllocateToPool = end
-        module._cuda_releasePool = lambda device, pool_id: None
+        module._cuda_releasePool = release

@@ -132,22 +132,53 @@ bool DeviceCache::release_oversize(BlockPool& pool, size_t size, int64_t stream,
   return released >= key.size;
 }
 
-void DeviceCache::release_segments_locked(const Release& release) {
-  stats_.num_sync_all_streams += 1;
-  for (BlockPool* pool : {&large_, &small_}) {
-    for (auto it = pool->blocks.begin(); it != pool->blocks.end();) {
-      CachedBlock* block = *it++;
-      if (!block->is_split()) release_segment(block, release);
-    }
+void DeviceCache::release_free_segments(BlockPool& pool, const Release& release) {
+  for (auto it = pool.blocks.begin(); it != pool.blocks.end();) {
+    CachedBlock* block = *it++;
+    if (!block->is_split()) release_segment(block, release);
   }
 }
 
+// The default pools' whole free segments, and those of released MemPools (dropped once empty).
+void DeviceCache::release_segments_locked(const Release& release) {
+  stats_.num_sync_all_streams += 1;
+  release_free_segments(default_.large, release);
+  release_free_segments(default_.small, release);
+  for (auto it = private_.begin(); it != private_.end();) {
+    PoolPair& pair = it->second;
+    if (pair.released) {
+      release_free_segments(pair.large, release);
+      release_free_segments(pair.small, release);
+    }
+    const bool empty = pair.large.blocks.empty() && pair.small.blocks.empty();
+    const bool in_use = std::any_of(active_.begin(), active_.end(),
+                                    [&](const CachedBlock* b) { return b->pool->owner == it->first; });
+    it = pair.released && empty && !in_use ? private_.erase(it) : std::next(it);
+  }
+}
+
+void DeviceCache::release_pool(PoolId pool, const Release& release, const Observer* observe) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = private_.find(pool);
+  if (it == private_.end()) return;
+  observe_ = observe;
+  it->second.released = true;
+  release_segments_locked(release);
+  observe_ = nullptr;
+}
+
 CachedBlock* DeviceCache::allocate(size_t requested, int64_t stream, const Reserve& reserve, const Release& release,
-                                   const Observer* observe) {
+                                   const Observer* observe, PoolId pool_id) {
   std::lock_guard<std::mutex> lock(mu_);
   observe_ = observe;
   const size_t size = round_size(requested);
-  BlockPool& pool = size <= cfg::kSmallSize ? small_ : large_;
+  PoolPair* pair = &default_;
+  if (pool_id != PoolId{0, 0}) {
+    auto [it, fresh] = private_.try_emplace(pool_id);
+    if (fresh) it->second.small.owner = it->second.large.owner = pool_id;
+    pair = &it->second;
+  }
+  BlockPool& pool = size <= cfg::kSmallSize ? pair->small : pair->large;
   CachedBlock* block = nullptr;
   const bool found = take_free_block(pool, size, stream, block) || new_segment(pool, size, stream, false, reserve, block) ||
       (release_oversize(pool, size, stream, release) && new_segment(pool, size, stream, false, reserve, block)) ||
@@ -298,10 +329,14 @@ std::vector<SegmentView> DeviceCache::segments() {
     }
   };
   add_heads(active_);
-  add_heads(small_.blocks);
-  add_heads(large_.blocks);
+  add_heads(default_.small.blocks);
+  add_heads(default_.large.blocks);
+  for (const auto& [id, pair] : private_) {
+    add_heads(pair.small.blocks);
+    add_heads(pair.large.blocks);
+  }
   for (const CachedBlock* head : heads) {
-    SegmentView view{head->address, 0, head->stream, head->pool->is_small, {}};
+    SegmentView view{head->address, 0, head->stream, head->pool->is_small, head->pool->owner, {}};
     for (const CachedBlock* b = head; b; b = b->next) {
       view.total_size += b->size;
       view.blocks.push_back({b->address, b->size, b->requested, b->allocated});

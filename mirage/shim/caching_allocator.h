@@ -11,14 +11,17 @@
 //
 // Only the bookkeeping is modelled: a block's bytes are host memory the shim holds elsewhere (the
 // CPU kernels' own allocations, kept zero-copy). Segment "addresses" are a per-device counter.
-// Not modelled: expandable_segments and garbage_collection_threshold (parsed, no effect), CUDA
-// graph private pools.
+// A torch.cuda.MemPool is a private pair of pools: what a thread allocates inside use_mem_pool
+// comes from (and is cached in) its own segments, which empty_cache leaves alone until the pool
+// is released. Not modelled: expandable_segments and garbage_collection_threshold (parsed, no
+// effect); CUDA graph captures allocate from the default pools.
 #pragma once
 
 #include <c10/core/CachingDeviceAllocator.h>
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <set>
 #include <string>
@@ -32,9 +35,17 @@ struct BlockOrder {  // as the real allocator's BlockComparatorSize: stream, siz
   bool operator()(const CachedBlock* a, const CachedBlock* b) const;
 };
 
+using PoolId = std::pair<uint64_t, uint64_t>;  // a MemPool's id; {0, 0}: the default pools
+
 struct BlockPool {
   std::set<CachedBlock*, BlockOrder> blocks;
   bool is_small;
+  PoolId owner{0, 0};
+};
+
+struct PoolPair {
+  BlockPool small{{}, true}, large{{}, false};
+  bool released = false;  // its MemPool is gone: empty_cache may free its segments
 };
 
 struct CachedBlock {
@@ -55,6 +66,7 @@ struct SegmentView {
   size_t total_size;
   int64_t stream;
   bool is_small;
+  PoolId pool;
   struct Block {
     uint64_t address;
     size_t size, requested;
@@ -79,10 +91,12 @@ class DeviceCache {
   // every cached segment there is no room (num_ooms counts it; the caller raises).
   // `observe`, when given, hears every action of the call (with the cache's lock held).
   CachedBlock* allocate(size_t requested, int64_t stream, const Reserve& reserve, const Release& release,
-                        const Observer* observe = nullptr);
+                        const Observer* observe = nullptr, PoolId pool = {0, 0});
   void free(CachedBlock* block, const Observer* observe = nullptr);
   // Releases every cached segment with no allocated block (torch.cuda.empty_cache).
   void release_cached(const Release& release, const Observer* observe = nullptr);
+  // A MemPool is gone (torch._C._cuda_releasePool): its cached segments go, the rest when freed.
+  void release_pool(PoolId pool, const Release& release, const Observer* observe = nullptr);
 
   c10::CachingDeviceAllocator::DeviceStats stats();
   void reset_peak();
@@ -98,6 +112,7 @@ class DeviceCache {
   bool new_segment(BlockPool& pool, size_t size, int64_t stream, bool retry, const Reserve& reserve, CachedBlock*& out);
   bool release_oversize(BlockPool& pool, size_t size, int64_t stream, const Release& release);
   void release_segments_locked(const Release& release);
+  void release_free_segments(BlockPool& pool, const Release& release);
   void release_segment(CachedBlock* block, const Release& release);
   size_t merge(CachedBlock* dst, CachedBlock* src);
   void update(c10::CachingDeviceAllocator::StatArray& stat, bool small, int64_t delta);
@@ -105,7 +120,8 @@ class DeviceCache {
   void tell(TraceAction action, const CachedBlock* block) const;
 
   std::mutex mu_;
-  BlockPool small_{{}, true}, large_{{}, false};
+  PoolPair default_;
+  std::map<PoolId, PoolPair> private_;
   std::set<CachedBlock*> active_;
   uint64_t next_address_ = 0x7f0000000000ULL;
   int64_t reserved_total_ = 0;

@@ -365,6 +365,11 @@ static Observer history_observer(DeviceIndex dev, std::shared_ptr<torch::Capture
   };
 }
 
+// torch.cuda.use_mem_pool: the MemPools this thread allocates into, per device (innermost last).
+static thread_local std::array<std::vector<PoolId>, kMaxDevices> tl_pools;
+
+static PoolId current_pool(DeviceIndex dev) { return tl_pools[dev].empty() ? PoolId{0, 0} : tl_pools[dev].back(); }
+
 // A block of the device's caching allocator for `nbytes`; raises the allocator's OOM error.
 static CachedBlock* allocate_block(DeviceIndex dev, size_t nbytes) {
   auto reserve = [dev](size_t bytes, int64_t reserved_now) { return reserve_segment(dev, bytes, reserved_now); };
@@ -372,9 +377,9 @@ static CachedBlock* allocate_block(DeviceIndex dev, size_t nbytes) {
   CachedBlock* block = nullptr;
   if (C10_UNLIKELY(g_history.enabled.load(std::memory_order_relaxed))) {
     const Observer observe = history_observer(dev, gather_stack());
-    block = g_caches[dev].allocate(nbytes, tl_stream[dev], reserve, release, &observe);
+    block = g_caches[dev].allocate(nbytes, tl_stream[dev], reserve, release, &observe, current_pool(dev));
   } else {
-    block = g_caches[dev].allocate(nbytes, tl_stream[dev], reserve, release);
+    block = g_caches[dev].allocate(nbytes, tl_stream[dev], reserve, release, nullptr, current_pool(dev));
   }
   if (!block) raise_oom(dev, static_cast<int64_t>(DeviceCache::segment_size_for(nbytes)));
   return block;
@@ -1258,8 +1263,32 @@ TORCH_LIBRARY(mirage, m) {
       mirage::g_withheld_ppb[dev].store(1000000000 - static_cast<int64_t>(fraction * 1e9 + 0.5));
     }
   });
+  // torch.cuda.use_mem_pool and the end of a MemPool (torch._C's beginAllocateCurrentThreadToPool,
+  // endAllocateToPool, releasePool).
+  m.def("begin_pool(int device, int id0, int id1) -> ()", [](int64_t device, int64_t id0, int64_t id1) {
+    mirage::check_index(static_cast<c10::DeviceIndex>(device));
+    mirage::tl_pools[device].push_back({static_cast<uint64_t>(id0), static_cast<uint64_t>(id1)});
+  });
+  m.def("end_pool(int device, int id0, int id1) -> ()", [](int64_t device, int64_t id0, int64_t id1) {
+    mirage::check_index(static_cast<c10::DeviceIndex>(device));
+    auto& pools = mirage::tl_pools[device];
+    const mirage::PoolId id{static_cast<uint64_t>(id0), static_cast<uint64_t>(id1)};
+    for (auto it = pools.rbegin(); it != pools.rend(); ++it) {
+      if (*it == id) {
+        pools.erase(std::next(it).base());
+        break;
+      }
+    }
+  });
+  m.def("release_pool(int device, int id0, int id1) -> ()", [](int64_t device, int64_t id0, int64_t id1) {
+    const auto dev = static_cast<c10::DeviceIndex>(device);
+    mirage::check_index(dev);
+    mirage::g_caches[dev].release_pool({static_cast<uint64_t>(id0), static_cast<uint64_t>(id1)},
+                                       [dev](size_t bytes) { mirage::release_segment_bytes(dev, bytes); });
+  });
   // The caching allocator's segments of a device (torch.cuda.memory_snapshot), one row per block:
-  // [segment address, segment size, stream, is_small, block address, size, requested, allocated].
+  // [segment address, segment size, stream, is_small, block address, size, requested, allocated,
+  //  pool id (2 ints)].
   m.def("memory_segments(int device) -> int[][]", [](int64_t device) {
     mirage::check_index(static_cast<c10::DeviceIndex>(device));
     std::vector<std::vector<int64_t>> rows;
@@ -1267,7 +1296,8 @@ TORCH_LIBRARY(mirage, m) {
       for (const auto& block : segment.blocks) {
         rows.push_back({static_cast<int64_t>(segment.address), static_cast<int64_t>(segment.total_size), segment.stream,
                         segment.is_small, static_cast<int64_t>(block.address), static_cast<int64_t>(block.size),
-                        static_cast<int64_t>(block.requested), block.allocated});
+                        static_cast<int64_t>(block.requested), block.allocated,
+                        static_cast<int64_t>(segment.pool.first), static_cast<int64_t>(segment.pool.second)});
       }
     }
     return rows;

@@ -135,3 +135,22 @@ def test_memory_history_records_each_action_with_its_python_stack(fresh_device, 
     assert "total_reserved: 20.0MiB" in _memory_viz.segsum(snapshot)  # PyTorch's own tool reads it
     assert torch.cuda.memory._snapshot()["device_traces"][DEVICE.index] == []  # disabling clears it
     del kept
+
+
+def test_a_mem_pool_keeps_its_own_segments_until_it_is_gone(fresh_device):
+    with torch.cuda.device(DEVICE):
+        x = torch.empty(MiB, dtype=torch.uint8, device=DEVICE)
+        pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool):
+            y = torch.empty(MiB, dtype=torch.uint8, device=DEVICE)  # would fit x's segment; the pool has its own
+        assert torch.cuda.memory_reserved(DEVICE) == 4 * MiB and pool.use_count() == 1
+        (segment,) = pool.snapshot()
+        assert segment["segment_pool_id"] == pool.id and segment["blocks"][0]["state"] == "active_allocated"
+        del y
+        torch.cuda.empty_cache()
+        assert torch.cuda.memory_reserved(DEVICE) == 4 * MiB  # the pool's cached segment stays
+        z = torch.empty(MiB, dtype=torch.uint8, device=DEVICE)  # outside the pool: x's segment
+        assert torch.cuda.memory_reserved(DEVICE) == 4 * MiB
+        del pool
+        assert torch.cuda.memory_reserved(DEVICE) == 2 * MiB
+        del x, z
