@@ -23,24 +23,26 @@ def test_an_unknown_allocator_setting_fails_at_the_first_cuda_use_with_pytorchs_
     assert "ValueError: Unrecognized key 'bogus_key' in CUDA allocator config." in result.stderr
 
 
+def free_then_allocate(first_mib: int, second_mib: int, *stats: str) -> str:
+    """A script that allocates and frees `first_mib`, allocates `second_mib`, and prints the
+    reserved MiB and the named memory_stats."""
+    return ("import torch\n"
+            f"x = torch.empty({first_mib} * 2**20, dtype=torch.uint8, device='cuda'); del x\n"
+            f"y = torch.empty({second_mib} * 2**20, dtype=torch.uint8, device='cuda')\n"
+            "s = torch.cuda.memory_stats()\n"
+            f"print(torch.cuda.memory_reserved() // 2**20, *(s[k] for k in {list(stats)!r}))\n")
+
+
 def test_max_split_size_keeps_oversize_blocks_for_oversize_requests():
-    script = ("import torch\n"
-              "x = torch.empty(30 * 2**20, dtype=torch.uint8, device='cuda'); del x\n"
-              "y = torch.empty(10 * 2**20, dtype=torch.uint8, device='cuda')\n"
-              "s = torch.cuda.memory_stats()\n"
-              "print(torch.cuda.memory_reserved() // 2**20, s['num_device_alloc'], s['max_split_size'] // 2**20)\n")
+    script = free_then_allocate(30, 10, "num_device_alloc", "max_split_size")
     # without the setting the 10 MiB request splits the cached 30 MiB block
     assert run(script).stdout.split() == ["30", "1", "-1"]  # max_split_size: unlimited (SIZE_MAX), as on a GPU
     limited = run(script, alloc_conf={"PYTORCH_HIP_ALLOC_CONF": "max_split_size_mb:20"})  # AMD's own variable
-    assert limited.stdout.split() == ["40", "2", "20"], limited.stderr
+    assert limited.stdout.split() == ["40", "2", str(20 * MiB)], limited.stderr
 
 
 def test_a_failed_segment_reservation_frees_the_cache_and_retries(tmp_path):
-    script = ("import torch\n"
-              "x = torch.empty(600 * 2**20, dtype=torch.uint8, device='cuda'); del x\n"
-              "y = torch.empty(700 * 2**20, dtype=torch.uint8, device='cuda')\n"
-              "s = torch.cuda.memory_stats()\n"
-              "print(torch.cuda.memory_reserved() // 2**20, s['num_alloc_retries'], s['num_ooms'])\n")
+    script = free_then_allocate(600, 700, "num_alloc_retries", "num_ooms")
     result = run(script, "--profile", tiny_profile(tmp_path))
     assert result.stdout.split() == ["700", "1", "0"], result.stderr
 

@@ -66,7 +66,8 @@ int64_t choose_backend(const Tensor& q, const Tensor& k, const Tensor& v, const 
   TORCH_CHECK(false, "No available kernel. Aborting execution.");
 }
 
-Tensor empty_like_none(const Tensor& like) { return at::empty({0}, like.options()); }
+// An empty tensor with `like`'s options: what CUDA returns for outputs it does not compute.
+Tensor no_values_like(const Tensor& like) { return at::empty({0}, like.options()); }
 
 // (B, H, L, E) query; the CPU kernel's logsumexp is (B, H, L) in float, as CUDA's flash returns it.
 std::tuple<Tensor, Tensor, Tensor, Tensor, c10::SymInt, c10::SymInt, Tensor, Tensor, Tensor> flash_attention(
@@ -77,7 +78,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, c10::SymInt, c10::SymInt, Tensor, Ten
   const Tensor rng = at::empty({2}, query.options().dtype(at::kLong));
   rng.zero_();
   return {out, logsumexp.to(at::kFloat), Tensor(), Tensor(), query.sym_size(2), key.sym_size(2), rng,
-          empty_like_none(rng), empty_like_none(query)};
+          no_values_like(rng), no_values_like(query)};
 }
 
 std::tuple<Tensor, Tensor, Tensor> flash_attention_backward(const Tensor& grad_out, const Tensor& query,
