@@ -64,3 +64,41 @@ def test_out_of_memory_counts_the_context_and_the_fraction_set_in_the_allocator_
     result = run(script, "--profile", tiny_profile(tmp_path, context_bytes=500 * MiB))
     assert "of which 524.00 MiB is free" in result.stdout  # the context alone holds the rest
     assert "this process has 500.00 MiB memory in use" in result.stdout
+
+
+def test_expandable_segments_turn_a_fragmentation_oom_into_success(tmp_path):
+    # 1 GiB GPU, 64 MiB context: 960 MiB free. x's segment is split by s when z comes: without
+    # expandable segments nothing of it can be given back; with them its free pages are unmapped.
+    script = ("import torch\n"
+              "MiB = 2**20\n"
+              "x = torch.empty(500 * MiB, dtype=torch.uint8, device='cuda')\n"
+              "y = torch.empty(100 * MiB, dtype=torch.uint8, device='cuda')\n"
+              "del x\n"
+              "s = torch.empty(200 * MiB, dtype=torch.uint8, device='cuda')\n"
+              "try:\n"
+              "    z = torch.empty(400 * MiB, dtype=torch.uint8, device='cuda')\n"
+              "    print('fits', torch.cuda.memory_reserved() // MiB, torch.cuda.memory_stats()['num_alloc_retries'])\n"
+              "except torch.cuda.OutOfMemoryError as e:\n"
+              "    print(e)\n")
+    plain = run(script, "--profile", tiny_profile(tmp_path))
+    assert "Tried to allocate 400.00 MiB" in plain.stdout, plain.stderr
+    assert "300.00 MiB is reserved by PyTorch but unallocated" in plain.stdout
+    expandable = run(script, "--profile", tiny_profile(tmp_path),
+                     alloc_conf={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert expandable.stdout.split() == ["fits", "700", "1"], expandable.stderr
+
+
+def test_garbage_collection_frees_the_oldest_cached_segment_past_the_threshold(tmp_path):
+    # 1 GiB GPU; 10% of it allowed, collection past half of that (51.2 MiB reserved)
+    script = ("import torch\n"
+              "MiB = 2**20\n"
+              "x = torch.empty(30 * MiB, dtype=torch.uint8, device='cuda'); del x\n"
+              "y = torch.empty(40 * MiB, dtype=torch.uint8, device='cuda'); del y\n"
+              "z = torch.empty(44 * MiB, dtype=torch.uint8, device='cuda')\n"
+              "print(torch.cuda.memory_reserved() // MiB, torch.cuda.memory_stats()['num_alloc_retries'])\n")
+    fraction = "per_process_memory_fraction:0.1"
+    collected = run(script, "--profile", tiny_profile(tmp_path),
+                    alloc_conf={"PYTORCH_CUDA_ALLOC_CONF": f"{fraction},garbage_collection_threshold:0.5"})
+    assert collected.stdout.split() == ["84", "0"], collected.stderr  # x went, y stayed cached
+    uncollected = run(script, "--profile", tiny_profile(tmp_path), alloc_conf={"PYTORCH_CUDA_ALLOC_CONF": fraction})
+    assert uncollected.stdout.split() == ["44", "1"], uncollected.stderr  # the cache emptied at the limit

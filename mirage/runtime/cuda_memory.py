@@ -11,7 +11,8 @@ import sys
 from types import ModuleType
 
 # the order of mirage::TraceAction
-_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom")
+_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom", "segment_map",
+            "segment_unmap")
 
 
 def _history(torch: ModuleType, device: int) -> tuple[list[dict], dict[int, list[dict]]]:
@@ -42,12 +43,12 @@ def _segments(torch: ModuleType, device: int, block_stacks: dict[int, list[dict]
     """The device's segments as torch._C._cuda_memorySnapshot lists them."""
     by_address: dict[int, dict] = {}
     for (segment_address, total_size, stream, is_small, address, size, requested, allocated, pool0,
-         pool1) in torch.ops.mirage.memory_segments(device):
+         pool1, is_expandable) in torch.ops.mirage.memory_segments(device):
         segment = by_address.setdefault(segment_address, {
             "device": device, "address": segment_address, "total_size": total_size,
             "allocated_size": 0, "active_size": 0, "requested_size": 0, "stream": stream,
             "segment_type": "small" if is_small else "large", "segment_pool_id": (pool0, pool1),
-            "is_expandable": False, "frames": [], "blocks": [],
+            "is_expandable": bool(is_expandable), "frames": [], "blocks": [],
         })
         segment["blocks"].append({"address": address, "size": size, "requested_size": requested if allocated else 0,
                                   "state": "active_allocated" if allocated else "inactive",

@@ -22,7 +22,16 @@ bool BlockOrder::operator()(const CachedBlock* a, const CachedBlock* b) const {
   return a->address < b->address;
 }
 
+bool AddressOrder::operator()(const CachedBlock* a, const CachedBlock* b) const {
+  if (a->stream != b->stream) return a->stream < b->stream;
+  return a->address < b->address;
+}
+
 namespace {
+
+bool expandable_segments() { return cfg::AcceleratorAllocatorConfig::use_expandable_segments(); }
+
+size_t round_up(size_t n, size_t step) { return (n + step - 1) / step * step; }
 
 size_t max_split_size() { return cfg::AcceleratorAllocatorConfig::max_split_size(); }
 
@@ -69,8 +78,27 @@ void DeviceCache::tell(TraceAction action, const CachedBlock* block) const {
 
 bool DeviceCache::take_free_block(BlockPool& pool, size_t size, int64_t stream, CachedBlock*& out) {
   CachedBlock key{stream, size, 0, 0, &pool};
+  if (allowed_by_fraction_.load(std::memory_order_relaxed) > 0 &&
+      cfg::AcceleratorAllocatorConfig::garbage_collection_threshold() > 0.0) {
+    pool.free_block_searches += 1;
+  }
   auto it = pool.blocks.lower_bound(&key);
   if (it == pool.blocks.end() || (*it)->stream != stream) return false;
+  if ((*it)->space) {
+    if (expandable_segments()) {
+      // A free block followed by unmapped pages fits as the size it can grow to.
+      auto growable = [](const CachedBlock* b) { return b->size + (b->next && !b->next->mapped ? b->next->size : 0); };
+      for (auto next = std::next(it); (*it)->space && next != pool.blocks.end() && (*next)->stream == stream &&
+                                      growable(*next) < growable(*it);) {
+        it = next++;
+      }
+    } else {  // turned off since: only ordinary segments serve requests
+      do {
+        ++it;
+      } while (it != pool.blocks.end() && (*it)->space && (*it)->stream == stream);
+      if (it == pool.blocks.end() || (*it)->stream != stream) return false;
+    }
+  }
   // An oversize block never serves a smaller request, nor a much smaller oversize one.
   if (size < max_split_size() && (*it)->size >= max_split_size()) return false;
   if (size >= max_split_size() && (*it)->size >= size + cfg::AcceleratorAllocatorConfig::max_non_split_rounding_size()) {
@@ -83,6 +111,7 @@ bool DeviceCache::take_free_block(BlockPool& pool, size_t size, int64_t stream, 
 
 bool DeviceCache::new_segment(BlockPool& pool, size_t size, int64_t stream, bool retry, const Reserve& reserve,
                               CachedBlock*& out) {
+  if (expandable_segments()) return grow_expandable(pool, size, stream, retry, reserve, out);
   const size_t bytes = segment_size_for(size);
   if (retry) stats_.num_alloc_retries += 1;
   if (!reserve(bytes, reserved_total_)) return false;
@@ -95,6 +124,156 @@ bool DeviceCache::new_segment(BlockPool& pool, size_t size, int64_t stream, bool
   stats_.num_device_alloc += 1;
   tell(TraceAction::segment_alloc, out);
   return true;
+}
+
+// The lowest-addressed free-and-unmapped run of `size` bytes in the stream's expandable segments,
+// or a new segment's whole (unmapped) range.
+CachedBlock* DeviceCache::find_expandable(BlockPool& pool, size_t size, int64_t stream) {
+  auto free = [](const CachedBlock* b) { return b && !b->allocated; };
+  auto has_room = [&](const CachedBlock* b) {
+    size_t bytes = 0;
+    for (; bytes < size && free(b); b = b->next) bytes += b->size;
+    return bytes >= size;
+  };
+  CachedBlock key{stream, 0, 0, 0, &pool};
+  for (auto it = pool.unmapped.lower_bound(&key); it != pool.unmapped.end() && (*it)->stream == stream; ++it) {
+    CachedBlock* candidate = free((*it)->prev) ? (*it)->prev : *it;
+    if (has_room(candidate)) return candidate;
+  }
+  const size_t page = pool.is_small ? cfg::kSmallBuffer : cfg::AcceleratorAllocatorConfig::large_segment_size();
+  const size_t capacity = capacity_.load(std::memory_order_relaxed);
+  const size_t span = round_up(std::max<size_t>(capacity + capacity / 8, size), page);
+  spaces_.push_back(std::make_unique<ExpandableSpace>(ExpandableSpace{next_address_, span, page}));
+  next_address_ += span;
+  auto* whole = new CachedBlock{stream, span, 0, spaces_.back()->base, &pool};
+  whole->mapped = false;
+  whole->space = spaces_.back().get();
+  pool.unmapped.insert(whole);
+  return whole;
+}
+
+// Maps the pages that cover the first `size` bytes of an unmapped range (all or none of them).
+bool DeviceCache::map(CachedBlock* block, size_t size, const Reserve& reserve) {
+  BlockPool& pool = *block->pool;
+  const size_t bytes = round_up(size, block->space->page);
+  if (!reserve(bytes, reserved_total_)) return false;
+  pool.unmapped.erase(block);
+  block->mapped = true;
+  if (bytes < block->size) {
+    auto* rest = new CachedBlock{block->stream, block->size - bytes, 0, block->address + bytes, &pool};
+    rest->mapped = false;
+    rest->space = block->space;
+    rest->prev = block;
+    rest->next = block->next;
+    if (rest->next) rest->next->prev = rest;
+    block->next = rest;
+    block->size = bytes;
+    pool.unmapped.insert(rest);
+  }
+  merge(block, block->prev);
+  merge(block, block->next);
+  cache(block);
+  reserved_total_ += static_cast<int64_t>(bytes);
+  update(stats_.reserved_bytes, pool.is_small, static_cast<int64_t>(bytes));
+  stats_.num_device_alloc += 1;
+  if (observe_) (*observe_)(TraceAction::segment_map, block->address, bytes, block->stream);
+  return true;
+}
+
+// A block of `size` bytes from the stream's expandable segment, mapping what it lacks.
+bool DeviceCache::grow_expandable(BlockPool& pool, size_t size, int64_t stream, bool retry, const Reserve& reserve,
+                                  CachedBlock*& out) {
+  if (retry) stats_.num_alloc_retries += 1;
+  CachedBlock* candidate = find_expandable(pool, size, stream);
+  if (!candidate->mapped && !map(candidate, std::min(candidate->size, size), reserve)) return false;
+  while (candidate->size < size) {  // free -> unmapped: map the pages it lacks, which merge into it
+    CachedBlock* grown = candidate->next;
+    if (!map(grown, std::min(size - candidate->size, grown->size), reserve)) return false;
+    candidate = grown;
+  }
+  pool.blocks.erase(candidate);
+  out = candidate;
+  return true;
+}
+
+// Unmaps the wholly free pages of a free block of an expandable segment; the parts of pages
+// still shared with allocated neighbours stay mapped as free blocks of their own.
+void DeviceCache::unmap(CachedBlock* block, const Release& release) {
+  BlockPool& pool = *block->pool;
+  const ExpandableSpace& space = *block->space;
+  const uint64_t first = space.base + round_up(block->address - space.base, space.page);
+  const uint64_t last = space.base + (block->address + block->size - space.base) / space.page * space.page;
+  if (first >= last) return;
+  pool.blocks.erase(block);
+  if (first > block->address) {
+    auto* before = new CachedBlock{block->stream, first - block->address, 0, block->address, &pool};
+    before->space = block->space;
+    before->prev = block->prev;
+    if (before->prev) before->prev->next = before;
+    before->next = block;
+    block->prev = before;
+    cache(before);
+  }
+  if (block->address + block->size > last) {
+    auto* after = new CachedBlock{block->stream, block->address + block->size - last, 0, last, &pool};
+    after->space = block->space;
+    after->next = block->next;
+    if (after->next) after->next->prev = after;
+    after->prev = block;
+    block->next = after;
+    cache(after);
+  }
+  const size_t bytes = last - first;
+  block->address = first;
+  block->size = bytes;
+  block->mapped = false;
+  merge(block, block->prev);
+  merge(block, block->next);
+  pool.unmapped.insert(block);
+  release(bytes);
+  reserved_total_ -= static_cast<int64_t>(bytes);
+  update(stats_.reserved_bytes, pool.is_small, -static_cast<int64_t>(bytes));
+  stats_.num_device_free += 1;
+  if (observe_) (*observe_)(TraceAction::segment_unmap, first, bytes, block->stream);
+}
+
+// A wholly unmapped expandable segment goes, address range and all.
+void DeviceCache::release_space(CachedBlock* block) {
+  block->pool->unmapped.erase(block);
+  spaces_.erase(std::remove_if(spaces_.begin(), spaces_.end(),
+                               [block](const std::unique_ptr<ExpandableSpace>& s) { return s.get() == block->space; }),
+                spaces_.end());
+  delete block;
+}
+
+// garbage_collection_threshold: once reserved memory passes the threshold of the allowed memory,
+// frees unsplit cached large blocks, those unused the longest (above the average age) first.
+void DeviceCache::collect_garbage(const Release& release) {
+  const size_t allowed = allowed_by_fraction_.load(std::memory_order_relaxed);
+  const double threshold = cfg::AcceleratorAllocatorConfig::garbage_collection_threshold();
+  if (allowed == 0 || threshold <= 0.0) return;
+  const auto limit = static_cast<int64_t>(threshold * static_cast<double>(allowed));
+  if (reserved_total_ <= limit) return;
+  const int64_t target = reserved_total_ - limit;
+  BlockPool& pool = default_.large;
+  auto age = [&pool](const CachedBlock* b) { return pool.free_block_searches - b->free_since; };
+  int64_t total_age = 0, freeable = 0, reclaimed = 0;
+  for (const CachedBlock* b : pool.blocks) {
+    if (!b->is_split() && !b->space) total_age += age(b), freeable += 1;
+  }
+  for (bool freed = true; reclaimed < target && freed && freeable > 0;) {
+    const double average = static_cast<double>(total_age) / static_cast<double>(freeable);
+    freed = false;
+    for (auto it = pool.blocks.begin(); it != pool.blocks.end();) {
+      CachedBlock* b = *it++;
+      if (b->is_split() || b->space || static_cast<double>(age(b)) < average) continue;
+      freed = true;
+      reclaimed += static_cast<int64_t>(b->size);
+      total_age -= age(b);
+      freeable -= 1;
+      release_segment(b, release);
+    }
+  }
 }
 
 void DeviceCache::release_segment(CachedBlock* block, const Release& release) {
@@ -114,14 +293,14 @@ bool DeviceCache::release_oversize(BlockPool& pool, size_t size, int64_t stream,
   if (max_split_size() == SIZE_MAX) return false;
   CachedBlock key{stream, std::max(size, max_split_size()), 0, 0, &pool};
   auto it = pool.blocks.lower_bound(&key);
-  if (it != pool.blocks.end() && (*it)->stream == stream) {
+  if (it != pool.blocks.end() && (*it)->stream == stream && !(*it)->space) {
     release_segment(*it, release);
     return true;
   }
   if (it == pool.blocks.begin()) return false;
   size_t released = 0;
   --it;
-  while (released < key.size && (*it)->size >= max_split_size() && (*it)->stream == stream) {
+  while (released < key.size && (*it)->size >= max_split_size() && (*it)->stream == stream && !(*it)->space) {
     auto current = it;
     const bool first = current == pool.blocks.begin();
     if (!first) --it;
@@ -133,9 +312,18 @@ bool DeviceCache::release_oversize(BlockPool& pool, size_t size, int64_t stream,
 }
 
 void DeviceCache::release_free_segments(BlockPool& pool, const Release& release) {
+  std::vector<CachedBlock*> to_unmap;  // unmapping changes the pool: gathered first
   for (auto it = pool.blocks.begin(); it != pool.blocks.end();) {
     CachedBlock* block = *it++;
-    if (!block->is_split()) release_segment(block, release);
+    if (block->space) {
+      to_unmap.push_back(block);
+    } else if (!block->is_split()) {
+      release_segment(block, release);
+    }
+  }
+  for (CachedBlock* block : to_unmap) {
+    unmap(block, release);
+    if (!block->mapped && !block->is_split()) release_space(block);
   }
 }
 
@@ -150,7 +338,8 @@ void DeviceCache::release_segments_locked(const Release& release) {
       release_free_segments(pair.large, release);
       release_free_segments(pair.small, release);
     }
-    const bool empty = pair.large.blocks.empty() && pair.small.blocks.empty();
+    const bool empty = pair.large.blocks.empty() && pair.small.blocks.empty() && pair.large.unmapped.empty() &&
+                       pair.small.unmapped.empty();
     const bool in_use = std::any_of(active_.begin(), active_.end(),
                                     [&](const CachedBlock* b) { return b->pool->owner == it->first; });
     it = pair.released && empty && !in_use ? private_.erase(it) : std::next(it);
@@ -180,7 +369,9 @@ CachedBlock* DeviceCache::allocate(size_t requested, int64_t stream, const Reser
   }
   BlockPool& pool = size <= cfg::kSmallSize ? pair->small : pair->large;
   CachedBlock* block = nullptr;
-  const bool found = take_free_block(pool, size, stream, block) || new_segment(pool, size, stream, false, reserve, block) ||
+  bool found = take_free_block(pool, size, stream, block);
+  if (!found) collect_garbage(release);
+  found = found || new_segment(pool, size, stream, false, reserve, block) ||
       (release_oversize(pool, size, stream, release) && new_segment(pool, size, stream, false, reserve, block)) ||
       ((release_segments_locked(release), true) && new_segment(pool, size, stream, true, reserve, block));
   if (!found) {
@@ -191,8 +382,9 @@ CachedBlock* DeviceCache::allocate(size_t requested, int64_t stream, const Reser
   }
   const bool already_split = block->is_split();
   const size_t remaining_bytes = block->size - size;
-  const bool split = pool.is_small ? remaining_bytes >= cfg::kMinBlockSize
-                                   : size < max_split_size() && remaining_bytes > cfg::kSmallSize;
+  const bool split = pool.is_small || expandable_segments()
+                         ? remaining_bytes >= cfg::kMinBlockSize
+                         : size < max_split_size() && remaining_bytes > cfg::kSmallSize;
   if (split) {
     auto* rest = block;
     block = new CachedBlock{stream, size, 0, rest->address, &pool};
@@ -202,14 +394,17 @@ CachedBlock* DeviceCache::allocate(size_t requested, int64_t stream, const Reser
     rest->prev = block;
     rest->address += size;
     rest->size -= size;
-    pool.blocks.insert(rest);
-    if (already_split) {
+    block->space = rest->space;
+    cache(rest);
+    if (block->space) {
+      // expandable segments are left out of the inactive_split statistics, as CUDA does
+    } else if (already_split) {
       update(stats_.inactive_split_bytes, pool.is_small, -static_cast<int64_t>(block->size));
     } else {
       update(stats_.inactive_split_bytes, pool.is_small, static_cast<int64_t>(rest->size));
       update(stats_.inactive_split, pool.is_small, 1);
     }
-  } else if (already_split) {
+  } else if (already_split && !block->space) {
     update(stats_.inactive_split_bytes, pool.is_small, -static_cast<int64_t>(block->size));
     update(stats_.inactive_split, pool.is_small, -1);
   }
@@ -228,7 +423,7 @@ CachedBlock* DeviceCache::allocate(size_t requested, int64_t stream, const Reser
 }
 
 size_t DeviceCache::merge(CachedBlock* dst, CachedBlock* src) {
-  if (!src || src->allocated) return 0;
+  if (!src || src->allocated || src->mapped != dst->mapped) return 0;
   if (dst->prev == src) {
     dst->address = src->address;
     dst->prev = src->prev;
@@ -239,9 +434,19 @@ size_t DeviceCache::merge(CachedBlock* dst, CachedBlock* src) {
   }
   const size_t subsumed = src->size;
   dst->size += subsumed;
-  dst->pool->blocks.erase(src);
+  if (src->mapped) {
+    dst->pool->blocks.erase(src);
+  } else {
+    dst->pool->unmapped.erase(src);
+  }
   delete src;
   return subsumed;
+}
+
+// A free block goes (back) into its pool's cache; its age for garbage collection starts now.
+void DeviceCache::cache(CachedBlock* block) {
+  block->free_since = block->pool->free_block_searches;
+  block->pool->blocks.insert(block);
 }
 
 void DeviceCache::free(CachedBlock* block, const Observer* observe) {
@@ -263,10 +468,12 @@ void DeviceCache::free(CachedBlock* block, const Observer* observe) {
     if (subsumed > 0) split_blocks -= 1, split_bytes -= static_cast<int64_t>(subsumed);
   }
   active_.erase(block);
-  block->pool->blocks.insert(block);
+  cache(block);
   if (block->is_split()) split_blocks += 1, split_bytes += static_cast<int64_t>(block->size);
-  update(stats_.inactive_split, small, split_blocks);
-  update(stats_.inactive_split_bytes, small, split_bytes);
+  if (!block->space) {
+    update(stats_.inactive_split, small, split_blocks);
+    update(stats_.inactive_split_bytes, small, split_bytes);
+  }
   update(stats_.active, small, -1);
   update(stats_.active_bytes, small, -size);
   update(stats_.requested_bytes, small, -requested);
@@ -277,6 +484,11 @@ void DeviceCache::release_cached(const Release& release, const Observer* observe
   observe_ = observe;
   release_segments_locked(release);
   observe_ = nullptr;
+}
+
+void DeviceCache::set_limits(size_t capacity, size_t allowed_by_fraction) {
+  capacity_.store(capacity, std::memory_order_relaxed);
+  allowed_by_fraction_.store(allowed_by_fraction, std::memory_order_relaxed);
 }
 
 c10::CachingDeviceAllocator::DeviceStats DeviceCache::stats() {
@@ -323,9 +535,9 @@ std::vector<SegmentView> DeviceCache::segments() {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<SegmentView> out;
   std::vector<const CachedBlock*> heads;
-  auto add_heads = [&heads](const auto& blocks) {
+  auto add_heads = [&heads](const auto& blocks) {  // each contiguous mapped range is a segment
     for (const CachedBlock* b : blocks) {
-      if (!b->prev) heads.push_back(b);
+      if (!b->prev || !b->prev->mapped) heads.push_back(b);
     }
   };
   add_heads(active_);
@@ -336,8 +548,8 @@ std::vector<SegmentView> DeviceCache::segments() {
     add_heads(pair.large.blocks);
   }
   for (const CachedBlock* head : heads) {
-    SegmentView view{head->address, 0, head->stream, head->pool->is_small, head->pool->owner, {}};
-    for (const CachedBlock* b = head; b; b = b->next) {
+    SegmentView view{head->address, 0, head->stream, head->pool->is_small, head->space != nullptr, head->pool->owner, {}};
+    for (const CachedBlock* b = head; b && b->mapped; b = b->next) {
       view.total_size += b->size;
       view.blocks.push_back({b->address, b->size, b->requested, b->allocated});
     }

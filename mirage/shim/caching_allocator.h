@@ -13,15 +13,21 @@
 // CPU kernels' own allocations, kept zero-copy). Segment "addresses" are a per-device counter.
 // A torch.cuda.MemPool is a private pair of pools: what a thread allocates inside use_mem_pool
 // comes from (and is cached in) its own segments, which empty_cache leaves alone until the pool
-// is released. Not modelled: expandable_segments and garbage_collection_threshold (parsed, no
-// effect); CUDA graph captures allocate from the default pools.
+// is released. With expandable_segments:True a pool's segment per stream is one address range
+// (9/8 of the device) mapped page by page as it grows (2 MiB pages in the small pool, the large
+// segment size in the large one); empty_cache and the retry before an OOM unmap its wholly free
+// pages. garbage_collection_threshold frees the oldest unused cached segments once this process's
+// reserved memory passes that fraction of its allowed memory (a memory fraction must be set, as on
+// CUDA). Not modelled: CUDA graph captures allocate from the default pools.
 #pragma once
 
 #include <c10/core/CachingDeviceAllocator.h>
 
 #include <cstdint>
+#include <atomic>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <string>
@@ -35,16 +41,30 @@ struct BlockOrder {  // as the real allocator's BlockComparatorSize: stream, siz
   bool operator()(const CachedBlock* a, const CachedBlock* b) const;
 };
 
+struct AddressOrder {  // as BlockComparatorAddress: stream, address (the unmapped ranges)
+  bool operator()(const CachedBlock* a, const CachedBlock* b) const;
+};
+
+// An expandable segment: an address range whose pages are mapped as its blocks need them.
+struct ExpandableSpace {
+  uint64_t base;
+  size_t size;
+  size_t page;
+};
+
 using PoolId = std::pair<uint64_t, uint64_t>;  // a MemPool's id; {0, 0}: the default pools
 
 struct BlockPool {
-  std::set<CachedBlock*, BlockOrder> blocks;
+  explicit BlockPool(bool small) : is_small(small) {}
+  std::set<CachedBlock*, BlockOrder> blocks;       // free mapped blocks
+  std::set<CachedBlock*, AddressOrder> unmapped;   // unmapped ranges of expandable segments
   bool is_small;
   PoolId owner{0, 0};
+  int64_t free_block_searches = 0;  // garbage collection's clock (the real get_free_blocks_call_count)
 };
 
 struct PoolPair {
-  BlockPool small{{}, true}, large{{}, false};
+  BlockPool small{true}, large{false};
   bool released = false;  // its MemPool is gone: empty_cache may free its segments
 };
 
@@ -57,6 +77,9 @@ struct CachedBlock {
   bool allocated = false;
   CachedBlock* prev = nullptr;  // neighbours within the segment
   CachedBlock* next = nullptr;
+  bool mapped = true;                    // false: an unmapped range of an expandable segment
+  ExpandableSpace* space = nullptr;      // the expandable segment it belongs to, if any
+  int64_t free_since = 0;                // its pool's free_block_searches when it was cached
   bool is_split() const { return prev != nullptr || next != nullptr; }
 };
 
@@ -66,6 +89,7 @@ struct SegmentView {
   size_t total_size;
   int64_t stream;
   bool is_small;
+  bool is_expandable;
   PoolId pool;
   struct Block {
     uint64_t address;
@@ -77,13 +101,15 @@ struct SegmentView {
 
 // What the allocator did, for torch.cuda.memory._record_memory_history (its TraceEntry actions; the
 // size of an alloc or free is the caller's request, of a segment action the segment's).
-enum class TraceAction { alloc, free_requested, free_completed, segment_alloc, segment_free, oom };
+enum class TraceAction { alloc, free_requested, free_completed, segment_alloc, segment_free, oom, segment_map,
+                         segment_unmap };
 using Observer = std::function<void(TraceAction action, uint64_t address, size_t size, int64_t stream)>;
 
 class DeviceCache {
  public:
-  // Reserves `bytes` of device memory for a new segment, given the bytes already reserved; false
-  // when the device (or this process's memory fraction) has no room. Called with the lock held.
+  // Reserves `bytes` of device memory for a new segment (or pages of an expandable one), given the
+  // bytes already reserved; false when the device (or this process's memory fraction) has no room.
+  // Called with the lock held.
   using Reserve = std::function<bool(size_t bytes, int64_t reserved_now)>;
   using Release = std::function<void(size_t bytes)>;
 
@@ -98,6 +124,11 @@ class DeviceCache {
   // A MemPool is gone (torch._C._cuda_releasePool): its cached segments go, the rest when freed.
   void release_pool(PoolId pool, const Release& release, const Observer* observe = nullptr);
 
+  // The device's capacity (expandable segments reserve 9/8 of it as address space) and the bytes
+  // this process may hold there (garbage_collection_threshold is a fraction of them; 0: no
+  // memory fraction set, no garbage collection).
+  void set_limits(size_t capacity, size_t allowed_by_fraction);
+
   c10::CachingDeviceAllocator::DeviceStats stats();
   void reset_peak();
   void reset_accumulated();
@@ -110,11 +141,19 @@ class DeviceCache {
  private:
   bool take_free_block(BlockPool& pool, size_t size, int64_t stream, CachedBlock*& out);
   bool new_segment(BlockPool& pool, size_t size, int64_t stream, bool retry, const Reserve& reserve, CachedBlock*& out);
+  bool grow_expandable(BlockPool& pool, size_t size, int64_t stream, bool retry, const Reserve& reserve,
+                       CachedBlock*& out);
+  CachedBlock* find_expandable(BlockPool& pool, size_t size, int64_t stream);
+  bool map(CachedBlock* block, size_t size, const Reserve& reserve);
+  void unmap(CachedBlock* block, const Release& release);
+  void release_space(CachedBlock* block);
+  void collect_garbage(const Release& release);
   bool release_oversize(BlockPool& pool, size_t size, int64_t stream, const Release& release);
   void release_segments_locked(const Release& release);
   void release_free_segments(BlockPool& pool, const Release& release);
   void release_segment(CachedBlock* block, const Release& release);
   size_t merge(CachedBlock* dst, CachedBlock* src);
+  void cache(CachedBlock* block);
   void update(c10::CachingDeviceAllocator::StatArray& stat, bool small, int64_t delta);
   void update(c10::CachingDeviceAllocator::Stat& stat, int64_t delta);
   void tell(TraceAction action, const CachedBlock* block) const;
@@ -123,6 +162,8 @@ class DeviceCache {
   PoolPair default_;
   std::map<PoolId, PoolPair> private_;
   std::set<CachedBlock*> active_;
+  std::vector<std::unique_ptr<ExpandableSpace>> spaces_;
+  std::atomic<size_t> capacity_{0}, allowed_by_fraction_{0};
   uint64_t next_address_ = 0x7f0000000000ULL;
   int64_t reserved_total_ = 0;
   const Observer* observe_ = nullptr;  // the current call's, while it holds the lock

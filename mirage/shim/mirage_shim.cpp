@@ -375,6 +375,8 @@ static CachedBlock* allocate_block(DeviceIndex dev, size_t nbytes) {
   auto reserve = [dev](size_t bytes, int64_t reserved_now) { return reserve_segment(dev, bytes, reserved_now); };
   auto release = [dev](size_t bytes) { release_segment_bytes(dev, bytes); };
   CachedBlock* block = nullptr;
+  g_caches[dev].set_limits(static_cast<size_t>(std::max<int64_t>(config().capacity, 0)),
+                           fraction_ppb(dev) < 1000000000 ? static_cast<size_t>(allowed_bytes(dev)) : 0);
   if (C10_UNLIKELY(g_history.enabled.load(std::memory_order_relaxed))) {
     const Observer observe = history_observer(dev, gather_stack());
     block = g_caches[dev].allocate(nbytes, tl_stream[dev], reserve, release, &observe, current_pool(dev));
@@ -1288,7 +1290,7 @@ TORCH_LIBRARY(mirage, m) {
   });
   // The caching allocator's segments of a device (torch.cuda.memory_snapshot), one row per block:
   // [segment address, segment size, stream, is_small, block address, size, requested, allocated,
-  //  pool id (2 ints)].
+  //  pool id (2 ints), is_expandable].
   m.def("memory_segments(int device) -> int[][]", [](int64_t device) {
     mirage::check_index(static_cast<c10::DeviceIndex>(device));
     std::vector<std::vector<int64_t>> rows;
@@ -1297,7 +1299,8 @@ TORCH_LIBRARY(mirage, m) {
         rows.push_back({static_cast<int64_t>(segment.address), static_cast<int64_t>(segment.total_size), segment.stream,
                         segment.is_small, static_cast<int64_t>(block.address), static_cast<int64_t>(block.size),
                         static_cast<int64_t>(block.requested), block.allocated,
-                        static_cast<int64_t>(segment.pool.first), static_cast<int64_t>(segment.pool.second)});
+                        static_cast<int64_t>(segment.pool.first), static_cast<int64_t>(segment.pool.second),
+                        segment.is_expandable});
       }
     }
     return rows;

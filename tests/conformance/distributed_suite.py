@@ -37,6 +37,11 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--json", help="write every test's outcome here")
     parser.add_argument("-k", action="append", default=[], help="run only tests whose name contains this")
+    parser.add_argument("--timeout-scale", type=float, default=1.0,
+                        help="multiply the suite's per-test time limits (its default and its overrides)"
+                             " by this: they are set for GPU kernels, and the emulated device computes"
+                             " at the host CPU's speed, as PyTorch itself raises them for its slow"
+                             " TSAN builds")
     return parser.parse_args()
 
 
@@ -46,8 +51,12 @@ if __name__ == "__main__":
     open(os.path.join(_scratch, "barrier"), "w").close()
     os.environ.update(BACKEND=ARGS.backend, WORLD_SIZE=str(ARGS.world_size), TEMP_DIR=_scratch,
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    if ARGS.timeout_scale != 1.0:
+        _default = int(os.environ.get("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "300"))
+        os.environ["DISTRIBUTED_TESTS_DEFAULT_TIMEOUT"] = str(int(_default * ARGS.timeout_scale))
 
 import torch  # noqa: E402  (the suite reads BACKEND and WORLD_SIZE when imported)
+from torch.testing._internal import common_distributed  # noqa: E402
 from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402
 
 
@@ -67,6 +76,8 @@ def _reason(trace: str) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
+    for name, seconds in common_distributed.TIMEOUT_OVERRIDE.items():
+        common_distributed.TIMEOUT_OVERRIDE[name] = int(seconds * args.timeout_scale)
     names = unittest.TestLoader().getTestCaseNames(TestDistBackendWithSpawn)
     if args.k:
         names = [n for n in names if any(k in n for k in args.k)]
@@ -83,6 +94,7 @@ def _run(args: argparse.Namespace) -> int:
             outcomes[test._testMethodName] = {"outcome": "skipped", "reason": reason}
         with open(args.json, "w") as f:
             json.dump({"backend": args.backend, "world_size": args.world_size, "wall_s": round(wall, 1),
+                       "timeout_scale": args.timeout_scale,
                        "tests": outcomes}, f, indent=1, sort_keys=True)
     return 0 if result.wasSuccessful() else 1
 

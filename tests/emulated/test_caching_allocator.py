@@ -154,3 +154,45 @@ def test_a_mem_pool_keeps_its_own_segments_until_it_is_gone(fresh_device):
         del pool
         assert torch.cuda.memory_reserved(DEVICE) == 2 * MiB
         del x, z
+
+
+@pytest.fixture
+def expandable_segments(fresh_device):
+    """expandable_segments:True for one test (set at run time, as torch.cuda.memory._set_allocator_settings does)."""
+    torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
+    yield
+    torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
+
+
+def test_an_expandable_segment_grows_by_20_mib_pages_and_unmaps_wholly_free_pages(expandable_segments):
+    torch.cuda.memory._record_memory_history(max_entries=100)
+    a = torch.empty(11 * MiB, dtype=torch.uint8, device=DEVICE)
+    assert torch.cuda.memory_reserved(DEVICE) == 20 * MiB  # one page, not an 12 MiB segment of its own
+    b = torch.empty(11 * MiB, dtype=torch.uint8, device=DEVICE)  # the 9 MiB left and a second page
+    assert torch.cuda.memory_reserved(DEVICE) == 40 * MiB
+    assert stat("segment.all.current") == 0 and stat("num_device_alloc") == 2  # mappings are not segments
+    (segment,) = [s for s in torch.cuda.memory_snapshot() if s["device"] == DEVICE.index]
+    assert segment["is_expandable"] and segment["total_size"] == 40 * MiB
+    assert [(blk["size"] // MiB, blk["state"]) for blk in segment["blocks"]] == [
+        (11, "active_allocated"), (11, "active_allocated"), (18, "inactive")]
+    del a
+    torch.cuda.empty_cache()  # a's 11 MiB and the last 18 MiB share pages with b: nothing to unmap
+    assert torch.cuda.memory_reserved(DEVICE) == 40 * MiB
+    del b
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved(DEVICE) == 0 and stat("num_device_free") == 1
+    trace = torch.cuda.memory._snapshot()["device_traces"][DEVICE.index]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    assert [e["action"] for e in trace if e["action"].startswith("segment")] == [
+        "segment_map", "segment_map", "segment_unmap"]
+
+
+def test_small_requests_map_2_mib_pages_and_large_blocks_split_down_to_512_bytes(expandable_segments):
+    x = torch.empty(4000, dtype=torch.uint8, device=DEVICE)
+    assert torch.cuda.memory_reserved(DEVICE) == 2 * MiB
+    big = torch.empty(19 * MiB + MiB // 2, dtype=torch.uint8, device=DEVICE)
+    assert torch.cuda.memory_reserved(DEVICE) == 2 * MiB + 20 * MiB
+    # the half MiB left of the page is split off (an ordinary segment keeps rests of 1 MiB or less)
+    assert torch.cuda.memory_allocated(DEVICE) == 4096 + 19 * MiB + MiB // 2
+    assert stat("inactive_split.all.current") == 0  # expandable segments are left out, as on CUDA
+    del x, big
