@@ -14,7 +14,7 @@ import sys
 from types import ModuleType
 
 from mirage import profiles
-from mirage.runtime import (autograd_threads, cuda_comm, cuda_graphs, cuda_ipc, cuda_memory, cuda_runtime, cudnn,
+from mirage.runtime import (autograd_threads, cuda_comm, cuda_graphs, cuda_ipc, cuda_memory, cuda_runtime, cudnn, inductor,
                             device_queries, distributed, legacy_tensor_types, nvtx, visible_devices)
 
 # What a ROCm / CUDA build of torch 2.13 reports as its toolkit version.
@@ -282,3 +282,4 @@ def install(torch: ModuleType) -> None:
     cuda_ipc.install(torch)
     legacy_tensor_types.install(torch)
     distributed.install(torch)
+    inductor.install(torch)

@@ -1242,9 +1242,55 @@ static void resize_storage_bytes(const at::Tensor& self, int64_t nbytes) {
   storage->set_data_ptr_noswap(std::move(fresh));
   storage->set_nbytes(static_cast<size_t>(nbytes));
 }
+
+// Host views for code compiled for the host (torch.compile, mirage/runtime/inductor.py): a CPU
+// tensor over a device tensor's bytes that keeps the device storage alive, and back: a device
+// tensor for a host-view (the same device storage) or for a fresh CPU result (adopted, counted as
+// device memory like any kernel's result).
+static void release_host_view(void* ctx) { delete static_cast<c10::Storage*>(ctx); }
+
+static at::Tensor host_view(const at::Tensor& t) {
+  if (!t.is_cuda()) return t;
+  const c10::Storage& device = t.storage();
+  c10::DataPtr dp(const_cast<void*>(device.data()), new c10::Storage(device), &release_host_view,
+                  c10::Device(DeviceType::CPU));
+  auto storage = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), device.nbytes(),
+                                                       std::move(dp), nullptr, false);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(std::move(storage)),
+                                                   c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
+  impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  return at::Tensor(std::move(impl));
+}
+
+static std::vector<at::Tensor> device_views(const std::vector<at::Tensor>& host, const std::vector<int64_t>& devices) {
+  TORCH_CHECK(host.size() == devices.size(), "device_views: one device per tensor");
+  std::vector<at::Tensor> out;
+  std::vector<std::pair<c10::StorageImpl*, c10::Storage>> adopted;  // results sharing a buffer share its adoption
+  for (size_t i = 0; i < host.size(); ++i) {
+    const at::Tensor& t = host[i];
+    if (t.is_cuda() || devices[i] < 0) {
+      out.push_back(t);
+      continue;
+    }
+    c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+    if (s->data_ptr().get_deleter() == &release_host_view) {
+      out.push_back(on_storage(*static_cast<c10::Storage*>(s->data_ptr().get_context()), t));
+      continue;
+    }
+    auto it = std::find_if(adopted.begin(), adopted.end(), [s](const auto& p) { return p.first == s; });
+    if (it == adopted.end()) {
+      adopted.emplace_back(s, adopt_storage(t.storage(), static_cast<DeviceIndex>(devices[i])));
+      it = std::prev(adopted.end());
+    }
+    out.push_back(on_storage(it->second, t));
+  }
+  return out;
+}
 }  // namespace mirage
 
 TORCH_LIBRARY(mirage, m) {
+  m.def("host_view(Tensor t) -> Tensor", &mirage::host_view);
+  m.def("device_views(Tensor[] host, int[] devices) -> Tensor[]", &mirage::device_views);
   m.def("resize_storage_bytes_(Tensor(a!) self, int nbytes) -> ()", &mirage::resize_storage_bytes);
   m.def("default_generator(int device) -> Generator?", [](int64_t device) {
     return mirage::default_generator(static_cast<c10::DeviceIndex>(device));

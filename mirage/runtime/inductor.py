@@ -1,0 +1,260 @@
+"""torch.compile on the emulated GPUs: inductor compiles each device graph as a host graph.
+
+For a CUDA device inductor generates Triton, and a CPU build of torch has no Triton; its GPU
+paths also assume a real GPU in many places. So every graph inductor is handed (after
+AOTAutograd: a forward, a backward, or an inference graph) that touches an emulated device is
+moved to the host before inductor lowers it: device arguments in the graph become "cpu", the
+example inputs become host fake tensors of the same geometry, and inductor's C++/OpenMP backend
+compiles it as it compiles any CPU graph (its FX graph cache included). What it returns runs on
+device memory in place:
+
+- inputs are host views of the device tensors (the same bytes, no copy);
+- the buffers the generated code allocates are device memory seen through host views, so
+  memory_allocated, OOM and `mirage smi` count them;
+- outputs become device tensors again, on the memory they were computed in (a buffer of
+  the generated code, or an extern kernel's fresh result, adopted as device memory);
+- operators with no host kernel (the CUDA-only ones, e.g. the fused attention kernels SDPA
+  chooses on a GPU) and collectives (functional collectives in the graph go through the group's
+  emulated NCCL backend) are called on the device from inside the host code.
+
+AOTAutograd's cache stores compiled graphs without this wrapping, so it is turned off in a mirage
+process; inductor's FX graph cache (in the usual cache directory) stays on.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType
+from typing import Any, Callable, Sequence
+
+_COMPILE_FX = "torch._inductor.compile_fx"
+# collectives run on the device: the group's backend for the device is the emulated NCCL
+_COLLECTIVE_NAMESPACES = {"_c10d_functional", "_c10d_functional_autograd", "c10d"}
+
+
+def _is_device(value: Any, torch: ModuleType) -> bool:
+    return isinstance(value, torch.device) and value.type == "cuda"
+
+
+def _has_host_kernel(op: Any, torch: ModuleType) -> bool:
+    name = op.name()
+    return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
+               for key in ("CPU", "CompositeExplicitAutograd", "CompositeImplicitAutograd",
+                           "CompositeExplicitAutogradNonFunctional"))
+
+
+class _DeviceOps:
+    """Host-callable twins of operators that only have a device kernel: a custom operator with
+    the original's schema whose host kernel moves its tensors to the device (views, no copies),
+    calls the original there and hands host views of the results back."""
+
+    def __init__(self, torch: ModuleType):
+        self.torch = torch
+        self.library = torch.library.Library("mirage_host", "FRAGMENT")
+        self.twins: dict[tuple[str, int], Any] = {}
+
+    def twin(self, op: Any, device: int) -> Any:
+        key = (str(op), device)
+        if key not in self.twins:
+            self.twins[key] = self._define(op, device)
+        return self.twins[key]
+
+    def _define(self, op: Any, device: int) -> Any:
+        torch = self.torch
+        name = f"{op.name().replace('::', '_')}_{op._overloadname}_{device}".replace(".", "_")
+        schema = str(op._schema)
+        self.library.define(name + schema[schema.index("("):])
+        host_view, device_views = torch.ops.mirage.host_view, torch.ops.mirage.device_views
+
+        def to_device(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                return device_views([value], [device])[0]
+            if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+                return type(value)(to_device(v) for v in value)
+            return value
+
+        def to_host(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                return host_view(value)
+            if isinstance(value, (list, tuple)):
+                return type(value)(to_host(v) for v in value)
+            return value
+
+        def on_device(*args: Any, **kwargs: Any) -> Any:
+            args = tuple(to_device(a) for a in args)
+            kwargs = {k: to_device(v) for k, v in kwargs.items()}
+            return to_host(op(*args, **kwargs))
+
+        def fake(*args: Any, **kwargs: Any) -> Any:  # the original's meta kernel, on host fakes
+            return op(*args, **kwargs)
+
+        self.library.impl(name, on_device, "CPU")
+        torch.library.register_fake(f"mirage_host::{name}", fake, lib=self.library)
+        return getattr(torch.ops.mirage_host, name).default
+
+
+def _host_fake(value: Any, torch: ModuleType, fake_mode: Any) -> Any:
+    """A host fake tensor with `value`'s geometry (sizes, strides, offset, dtype)."""
+    if not isinstance(value, torch.Tensor) or value.device.type != "cuda":
+        return value
+    with fake_mode:
+        base = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device="cpu")
+        if value.storage_offset() == 0:
+            return base
+        storage = torch.empty(value.untyped_storage().nbytes() // value.element_size(), dtype=value.dtype,
+                              device="cpu")
+        return storage.as_strided(value.size(), value.stride(), value.storage_offset())
+
+
+def _output_devices(gm: Any, torch: ModuleType) -> list[int]:
+    """The device index of each graph output (-1: not on an emulated device)."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    devices = []
+    for node in output.args[0]:
+        value = node.meta.get("val") if hasattr(node, "meta") else None
+        devices.append(value.device.index if isinstance(value, torch.Tensor) and value.device.type == "cuda" else -1)
+    return devices
+
+
+def _move_graph_to_host(gm: Any, device_ops: _DeviceOps, torch: ModuleType) -> None:
+    """Rewrites device arguments to "cpu", and device-only operators and collectives to their
+    host-callable twins."""
+    from torch.utils._pytree import tree_map
+
+    def to_host(value: Any) -> Any:
+        return torch.device("cpu") if _is_device(value, torch) else value
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        node.args = tree_map(to_host, node.args)
+        node.kwargs = tree_map(to_host, node.kwargs)
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload) and (target.namespace in _COLLECTIVE_NAMESPACES
+                                                          or not _has_host_kernel(target, torch)):
+            value = node.meta.get("val")
+            values = value if isinstance(value, (list, tuple)) else [value]
+            devices = [v.device.index for v in values if isinstance(v, torch.Tensor) and v.device.type == "cuda"]
+            node.target = device_ops.twin(target, devices[0] if devices else 0)
+    gm.recompile()
+
+
+def _first_device(example_inputs: Sequence[Any], torch: ModuleType) -> int | None:
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+            return value.device.index
+    return None
+
+
+class HostCompiledGraph:
+    """A graph inductor compiled for the host, called with and returning device tensors."""
+
+    def __init__(self, compiled: Callable, output_devices: list[int], torch: ModuleType):
+        self._boxed_call = True  # an instance attribute: wrappers that copy __dict__ keep it
+        self.compiled = compiled
+        self.output_devices = output_devices
+        self.host_view = torch.ops.mirage.host_view
+        self.device_views = torch.ops.mirage.device_views
+        self.tensor_type = torch.Tensor
+
+    def __call__(self, args: list) -> Any:
+        host_args = [self.host_view(a) if isinstance(a, self.tensor_type) and a.is_cuda else a for a in args]
+        args.clear()
+        outputs = list(self.compiled(host_args))
+        moved = [i for i, o in enumerate(outputs) if isinstance(o, self.tensor_type) and self.output_devices[i] >= 0]
+        views = self.device_views([outputs[i] for i in moved], [self.output_devices[i] for i in moved])
+        for i, view in zip(moved, views):
+            outputs[i] = view
+        return outputs
+
+    def __getattr__(self, name: str) -> Any:  # what AOTAutograd reads of inductor's OutputCode
+        return getattr(self.compiled, name)
+
+
+def _allocate_on(device: int, torch: ModuleType) -> Callable:
+    """The generated code's buffer allocator, over device memory."""
+    host_view = torch.ops.mirage.host_view
+
+    def empty_strided_device(size: Sequence[int], stride: Sequence[int], dtype: Any) -> Any:
+        return host_view(torch.empty_strided(size, stride, dtype=dtype, device=torch.device("cuda", device)))
+
+    return empty_strided_device
+
+
+def _buffers_on_device(compiled: Any, device: int, torch: ModuleType) -> None:
+    """Points the generated module's buffer allocation at device memory."""
+    module_globals = getattr(getattr(compiled, "current_callable", None), "__globals__", None)
+    if module_globals is not None and "empty_strided_cpu" in module_globals:
+        module_globals["empty_strided_cpu"] = _allocate_on(device, torch)
+
+
+def _host_compile(inner_compile: Callable, device_ops: _DeviceOps, torch: ModuleType) -> Callable:
+    def compile_for_host(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        device = _first_device(example_inputs, torch)
+        if device is None and not any(_is_device(v, torch) or (isinstance(v, torch.Tensor) and v.is_cuda)
+                                      for n in gm.graph.nodes for v in [n.meta.get("val")]):
+            return inner_compile(gm, example_inputs, **kwargs)
+        from torch._guards import detect_fake_mode
+        from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+        output_devices = _output_devices(gm, torch)
+        fake_mode = detect_fake_mode(example_inputs)
+        host_inputs = [_host_fake(v, torch, fake_mode) for v in example_inputs]
+        _move_graph_to_host(gm, device_ops, torch)
+        FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*host_inputs)
+        compiled = inner_compile(gm, host_inputs, **kwargs)
+        _buffers_on_device(compiled, device or 0, torch)
+        return HostCompiledGraph(compiled, output_devices, torch)
+
+    return compile_for_host
+
+
+def _patch(compile_fx_module: ModuleType, torch: ModuleType) -> None:
+    device_ops = _DeviceOps(torch)
+    original = compile_fx_module.compile_fx
+    default_inner = compile_fx_module.compile_fx_inner
+
+    @functools.wraps(original)
+    def compile_fx(model: Any, example_inputs: Any, inner_compile: Callable = default_inner, **kwargs: Any) -> Any:
+        if not getattr(inner_compile, "_mirage_host", False):
+            inner_compile = _host_compile(inner_compile, device_ops, torch)
+            inner_compile._mirage_host = True
+        return original(model, example_inputs, inner_compile=inner_compile, **kwargs)
+
+    compile_fx_module.compile_fx = compile_fx
+    torch._functorch.config.enable_autograd_cache = False
+
+
+class _CompileFxImportHook(importlib.abc.MetaPathFinder):
+    """Patches torch._inductor.compile_fx when something first imports it (inductor is heavy:
+    processes that never compile never load it)."""
+
+    def __init__(self, torch: ModuleType):
+        self.torch = torch
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _COMPILE_FX:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run_module = spec.loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            run_module(module)
+            _patch(module, self.torch)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def install(torch: ModuleType) -> None:
+    """Arms the compile_fx patch (or applies it, if inductor is already loaded)."""
+    if _COMPILE_FX in sys.modules:
+        _patch(sys.modules[_COMPILE_FX], torch)
+    else:
+        sys.meta_path.insert(0, _CompileFxImportHook(torch))
