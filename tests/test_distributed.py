@@ -133,6 +133,17 @@ def test_fsdp2_tensor_parallel_dtensor_and_ddp_buckets_on_four_gpus():
     assert "[0] parallelisms_ok" in result.stdout
 
 
+def test_compiled_ddp_fsdp2_and_a_collective_in_a_compiled_graph_on_two_gpus():
+    result = mirage("run", "--gpus-per-node", "2", "--", "torchrun", "--standalone", "--nproc_per_node=2",
+                    "tests/workloads/compiled_training.py", timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for name in ("compiled ddp replicas identical", "compiled ddp equals eager ddp",
+                 "ddp graph split at bucket boundaries", "fsdp2 + compile equals eager fsdp2",
+                 "functional all_reduce in a compiled graph"):
+        assert f"[0] ok {name}" in result.stdout and f"[1] ok {name}" in result.stdout
+    assert "[1] compiled_training_ok" in result.stdout
+
+
 def test_ddp_many_buckets_500_steps_on_two_nodes_of_four():
     """The stall the ISA-level emulator hits: DDP's repeated bucketed all-reduces."""
     result = mirage("run", "--num-nodes", "2", "--nproc-per-node", "4", "--gpus-per-node", "4",

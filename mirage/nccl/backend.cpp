@@ -25,6 +25,7 @@
 #include <torch/csrc/distributed/c10d/ParamCommsUtils.hpp>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/extension.h>
+#include <pybind11/chrono.h>
 
 #include <sys/socket.h>
 #include <unistd.h>

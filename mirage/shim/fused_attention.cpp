@@ -18,6 +18,8 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -89,9 +91,17 @@ std::tuple<Tensor, Tensor, Tensor> flash_attention_backward(const Tensor& grad_o
                                                                    dropout_p, is_causal, {}, scale);
 }
 
-// Memory-efficient attention's logsumexp is (B, H, L rounded up to 32), float; the rows past L
-// hold no value.
+// Memory-efficient attention's logsumexp is (B, H, L rounded up to 32), float, on CUDA (the rows
+// past L hold no value); ROCm's kernel gives (B, H, L) (as torch's meta kernel says for HIP builds).
 constexpr int64_t kLogsumexpRows = 32;
+
+static int64_t logsumexp_rows(int64_t length) {
+  static const bool rocm = [] {
+    const char* vendor = std::getenv("MIRAGE_VENDOR");
+    return !vendor || std::strcmp(vendor, "nvidia") != 0;
+  }();
+  return rocm ? length : (length + kLogsumexpRows - 1) / kLogsumexpRows * kLogsumexpRows;
+}
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> efficient_attention(const Tensor& query, const Tensor& key,
     const Tensor& value, const std::optional<Tensor>& attn_bias, bool compute_log_sumexp, double dropout_p,
@@ -101,7 +111,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> efficient_attention(const Tensor& que
                                                                        : std::nullopt;
   auto [out, logsumexp] = at::_scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, mask, scale);
   const int64_t length = query.size(2);
-  const int64_t rows = compute_log_sumexp ? (length + kLogsumexpRows - 1) / kLogsumexpRows * kLogsumexpRows : 0;
+  const int64_t rows = compute_log_sumexp ? logsumexp_rows(length) : 0;
   Tensor lse = at::full({query.size(0), query.size(1), rows}, std::numeric_limits<float>::infinity(),
                         query.options().dtype(at::kFloat));
   if (rows > 0) lse.narrow(2, 0, length).copy_(logsumexp);

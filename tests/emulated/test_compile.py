@@ -1,0 +1,156 @@
+"""torch.compile on an emulated GPU: inductor's host code runs on device memory, with eager's
+results (within inductor's CPU tolerances), gradients too."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.utils import counters
+
+DEVICE = torch.device("cuda", 1)
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2)
+                   for t in self.qkv(self.norm1(x)).split(width, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(batch, length, width))
+        return x + self.out(F.gelu(self.fc(self.norm2(x))))
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, two attention blocks, the head tied to the embedding."""
+
+    def __init__(self, vocab: int = 96, width: int = 32, heads: int = 4, context: int = 32):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, width), nn.Embedding(context, width)
+        self.blocks = nn.Sequential(Block(width, heads), Block(width, heads))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.tokens.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1], device=idx.device))
+        logits = self.head(self.norm(self.blocks(x)))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def tokens(length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, 96, (4, length + 1), generator=generator).to(DEVICE)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def test_a_compiled_gpt_matches_eager_loss_gradients_and_step():
+    torch.manual_seed(0)
+    eager = GPT().to(DEVICE)
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model)
+    idx, targets = tokens(32, seed=1)
+    loss, compiled_loss = eager(idx, targets), compiled(idx, targets)
+    assert compiled_loss.device == DEVICE
+    torch.testing.assert_close(compiled_loss, loss, rtol=1e-5, atol=1e-5)
+    loss.backward()
+    compiled_loss.backward()
+    for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+        assert q.grad.device == DEVICE
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+    for m in (eager, model):
+        torch.optim.SGD(m.parameters(), lr=0.5).step()
+    torch.testing.assert_close(compiled(idx, targets), eager(idx, targets), rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_code_reads_and_writes_device_memory_in_place_and_its_buffers_are_device_memory():
+    @torch.compile(fullgraph=True)
+    def step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x.add_(1)  # a mutated input: written where it lives
+        return (x.sin() @ w).relu() @ w
+
+    x = torch.randn(512, 512, device=DEVICE)
+    w = torch.randn(512, 512, device=DEVICE)
+    expected = ((x + 1).sin() @ w).relu() @ w
+    before = x.clone()
+    step(x.clone(), w)  # compile
+    torch.cuda.synchronize(DEVICE)
+    torch.cuda.reset_peak_memory_stats(DEVICE)
+    base = torch.cuda.memory_allocated(DEVICE)
+    out = step(x, w)
+    torch.testing.assert_close(x, before + 1)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-3)
+    one_matrix = 512 * 512 * 4
+    assert torch.cuda.memory_allocated(DEVICE) - base == one_matrix  # the output, on the device
+    assert torch.cuda.max_memory_allocated(DEVICE) - base >= 2 * one_matrix  # with a generated buffer
+
+
+def test_dynamic_shapes_compile_one_graph_for_every_length():
+    torch.manual_seed(0)
+    model = GPT().to(DEVICE)
+    compiled = torch.compile(model, dynamic=True)
+    for length in (16, 24, 32):
+        idx, targets = tokens(length, seed=length)
+        torch.testing.assert_close(compiled(idx, targets), model(idx, targets), rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_graph_break_splits_the_function_and_both_parts_run_on_the_device():
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = x.cos() * 2
+        if y.sum().item() > 0:  # data-dependent: a graph break
+            return (y + 1).exp()
+        return y - 1
+
+    x = torch.randn(64)
+    torch.compile(f)(x)
+    graphs_on_the_host = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    counters.clear()
+    x = x.to(DEVICE)
+    out = torch.compile(f)(x)
+    assert out.device == DEVICE
+    torch.testing.assert_close(out, f(x))
+    assert counters["stats"]["unique_graphs"] == graphs_on_the_host > 1
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_compile_modes_give_eager_results(mode):
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8)).to(DEVICE)
+    compiled = torch.compile(model, mode=mode)
+    x = torch.randn(16, 64, device=DEVICE)
+    for _ in range(3):
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_compiled_optimizer_step_updates_the_parameters_as_eager():
+    torch.manual_seed(0)
+    params = [torch.randn(256, 64, device=DEVICE, requires_grad=True) for _ in range(3)]
+    twins = [p.detach().clone().requires_grad_() for p in params]
+    for p, q in zip(params, twins):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    eager, compiled = torch.optim.AdamW(params, lr=0.01), torch.optim.AdamW(twins, lr=0.01)
+    step = torch.compile(compiled.step)
+    for _ in range(2):
+        eager.step()
+        step()
+    for p, q in zip(params, twins):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
