@@ -51,6 +51,14 @@ def test_environment_layers_and_identity_cannot_be_overridden(tmp_path):
     assert cleared.stdout.split()[-1] == "None"
 
 
+def test_triton_kernels_are_interpreted_unless_the_caller_says_otherwise():
+    script = "import os; print(os.environ.get('TRITON_INTERPRET'))"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    assert mirage("run", "--", "python", "-c", script, env=env).stdout.strip() == "1"
+    assert mirage("run", "--", "python", "-c", script, env=dict(env, TRITON_INTERPRET="0")).stdout.strip() == "0"
+    assert mirage("run", "--env", "TRITON_INTERPRET=0", "--", "python", "-c", script, env=env).stdout.strip() == "0"
+
+
 def test_session_id_on_stderr_and_stdout_is_the_workloads():
     result = mirage("run", "--", "python", "-c", "print('hello')")
     assert result.stdout == "hello\n"

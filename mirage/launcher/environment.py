@@ -1,7 +1,9 @@
 """The environment a workload process gets, layered as the CLI contract says.
 
-Order, later wins: the caller's environment (or an almost empty one with --clear-env-vars),
-the emulator's own variables, the user's --env, then the job identity. Identity and the
+Order, later wins: the emulator's defaults (what the caller has not set: TRITON_INTERPRET=1, so
+that user-written Triton kernels run through Triton's interpreter, on the device tensors' memory,
+where a GPU build would compile them for the GPU), the caller's environment (or an almost empty one
+with --clear-env-vars), the emulator's own variables, the user's --env, then the job identity. Identity and the
 emulator's MIRAGE_* variables cannot be overridden by --env (a warning names each one), and
 search lists are prepended to the caller's instead of replacing them.
 """
@@ -17,6 +19,7 @@ import mirage
 RUNTIME_SITE_DIR = Path(mirage.__file__).parent / "runtime" / "site"
 KEPT_WHEN_CLEARED = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "TERM", "TMPDIR", "SHELL")
 SEARCH_LISTS = ("PYTHONPATH", "LD_LIBRARY_PATH", "LD_PRELOAD")
+DEFAULTS = {"TRITON_INTERPRET": "1"}
 
 
 def is_protected(key: str, identity: dict[str, str]) -> bool:
@@ -51,6 +54,7 @@ def build(
     """The full environment of one workload process."""
     base = os.environ
     env = {k: base[k] for k in KEPT_WHEN_CLEARED if k in base} if clear else dict(base)
+    env = {**DEFAULTS, **env}
     env.update(emulator)
     for key, value in user.items():
         if is_protected(key, identity):
