@@ -149,20 +149,79 @@ def _first_device(example_inputs: Sequence[Any], torch: ModuleType) -> int | Non
     return None
 
 
+class _CapturedCalls:
+    """Compiled graphs called while a CUDA graph is captured. Their host kernels do not pass the
+    shim's op path, which is what a capture records, so each such call joins the capture as a
+    call of `mirage_host::replay_compiled(handle)`, run again on every replay."""
+
+    def __init__(self, torch: ModuleType):
+        self.torch = torch
+        self.calls: dict[int, Callable[[], None]] = {}
+        self.library = torch.library.Library("mirage_host", "FRAGMENT")
+        self.library.define("replay_compiled(int handle) -> ()")
+        self.library.impl("replay_compiled", lambda handle: self.calls[handle](), "CompositeExplicitAutograd")
+
+    def record(self, replay: Callable[[], None]) -> None:
+        handle = len(self.calls) + 1
+        self.calls[handle] = replay
+        self.torch.ops.mirage.graph_record_call("mirage_host::replay_compiled", handle)
+
+
+def _static_outputs(gm: Any, torch: ModuleType) -> list[Any]:
+    """Each graph output's (sizes, strides, dtype, device) where they are static, the value of
+    a static non-tensor output, None where an output's shape is symbolic."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    described = []
+    for node in output.args[0]:
+        value = node.meta.get("val") if hasattr(node, "meta") else node
+        if isinstance(value, torch.Tensor):
+            geometry = (*value.size(), *value.stride())
+            static = all(isinstance(d, int) for d in geometry)
+            described.append((tuple(value.size()), value.stride(), value.dtype, value.device) if static else None)
+        else:
+            described.append(("value", value) if isinstance(value, (int, float, bool, type(None))) else None)
+    return described
+
+
 class HostCompiledGraph:
     """A graph inductor compiled for the host, called with and returning device tensors."""
 
-    def __init__(self, compiled: Callable, output_devices: list[int], torch: ModuleType):
+    def __init__(self, compiled: Callable, output_devices: list[int], static_outputs: list[Any],
+                 captured_calls: _CapturedCalls, torch: ModuleType):
         self._boxed_call = True  # an instance attribute: wrappers that copy __dict__ keep it
         self.compiled = compiled
         self.output_devices = output_devices
+        self.static_outputs = static_outputs
+        self.captured_calls = captured_calls
+        self.torch = torch
         self.host_view = torch.ops.mirage.host_view
         self.device_views = torch.ops.mirage.device_views
+        self.capturing = torch.ops.mirage.graph_capturing
         self.tensor_type = torch.Tensor
+
+    def _capture(self, host_args: list) -> list:
+        """Called during a CUDA graph capture: the outputs are allocated (their contents undefined
+        until a replay, as CUDA's); each replay runs the compiled code and fills them."""
+        torch = self.torch
+        if any(described is None for described in self.static_outputs):
+            torch.ops.mirage.graph_check_not_capturing()  # symbolic shapes: CUDA's capture error
+        outputs = [described[1] if described[0] == "value" else
+                   torch.empty_strided(described[0], described[1], dtype=described[2], device=described[3])
+                   for described in self.static_outputs]
+
+        def replay() -> None:
+            for output, result in zip(outputs, self.compiled(list(host_args))):
+                if isinstance(output, self.tensor_type):
+                    output.copy_(result)
+
+        self.captured_calls.record(replay)
+        return outputs
 
     def __call__(self, args: list) -> Any:
         host_args = [self.host_view(a) if isinstance(a, self.tensor_type) and a.is_cuda else a for a in args]
         args.clear()
+        if self.capturing():
+            return self._capture(host_args)
         outputs = list(self.compiled(host_args))
         moved = [i for i, o in enumerate(outputs) if isinstance(o, self.tensor_type) and self.output_devices[i] >= 0]
         views = self.device_views([outputs[i] for i in moved], [self.output_devices[i] for i in moved])
@@ -191,7 +250,8 @@ def _buffers_on_device(compiled: Any, device: int, torch: ModuleType) -> None:
         module_globals["empty_strided_cpu"] = _allocate_on(device, torch)
 
 
-def _host_compile(inner_compile: Callable, device_ops: _DeviceOps, torch: ModuleType) -> Callable:
+def _host_compile(inner_compile: Callable, device_ops: _DeviceOps, captured_calls: _CapturedCalls,
+                  torch: ModuleType) -> Callable:
     def compile_for_host(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
         device = _first_device(example_inputs, torch)
         if device is None and not any(_is_device(v, torch) or (isinstance(v, torch.Tensor) and v.is_cuda)
@@ -201,26 +261,28 @@ def _host_compile(inner_compile: Callable, device_ops: _DeviceOps, torch: Module
         from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
         output_devices = _output_devices(gm, torch)
+        static_outputs = _static_outputs(gm, torch)
         fake_mode = detect_fake_mode(example_inputs)
         host_inputs = [_host_fake(v, torch, fake_mode) for v in example_inputs]
         _move_graph_to_host(gm, device_ops, torch)
         FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*host_inputs)
         compiled = inner_compile(gm, host_inputs, **kwargs)
         _buffers_on_device(compiled, device or 0, torch)
-        return HostCompiledGraph(compiled, output_devices, torch)
+        return HostCompiledGraph(compiled, output_devices, static_outputs, captured_calls, torch)
 
     return compile_for_host
 
 
 def _patch(compile_fx_module: ModuleType, torch: ModuleType) -> None:
     device_ops = _DeviceOps(torch)
+    captured_calls = _CapturedCalls(torch)
     original = compile_fx_module.compile_fx
     default_inner = compile_fx_module.compile_fx_inner
 
     @functools.wraps(original)
     def compile_fx(model: Any, example_inputs: Any, inner_compile: Callable = default_inner, **kwargs: Any) -> Any:
         if not getattr(inner_compile, "_mirage_host", False):
-            inner_compile = _host_compile(inner_compile, device_ops, torch)
+            inner_compile = _host_compile(inner_compile, device_ops, captured_calls, torch)
             inner_compile._mirage_host = True
         return original(model, example_inputs, inner_compile=inner_compile, **kwargs)
 

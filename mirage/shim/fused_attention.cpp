@@ -35,11 +35,13 @@ bool half_precision(const Tensor& t) { return t.scalar_type() == at::kHalf || t.
 // What both fused kernels require of the inputs: 4-D (batch, heads, length, head dim), one head
 // dim for all three, a multiple of 8 up to 256, no dropout (see above), and equal head counts.
 bool fused_shapes_fit(const Tensor& q, const Tensor& k, const Tensor& v, double dropout_p, bool enable_gqa) {
+  // symbolic sizes (torch.compile's fake tensors) are read as such: reading them as ints would
+  // specialise every dimension, batch and sequence length included
   if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4 || q.is_nested()) return false;
-  const int64_t head_dim = q.size(-1);
-  if (k.size(-1) != head_dim || v.size(-1) != head_dim || head_dim % 8 != 0 || head_dim > 256) return false;
+  const c10::SymInt head_dim = q.sym_size(-1);
+  if (k.sym_size(-1) != head_dim || v.sym_size(-1) != head_dim || head_dim % 8 != 0 || head_dim > 256) return false;
   if (dropout_p > 0.0) return false;
-  return !enable_gqa || q.size(1) == k.size(1);
+  return !enable_gqa || q.sym_size(1) == k.sym_size(1);
 }
 
 int64_t choose_backend(const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& mask,

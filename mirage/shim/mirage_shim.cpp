@@ -1421,6 +1421,16 @@ TORCH_LIBRARY(mirage, m) {
     }
   });
   m.def("graph_capturing() -> bool", []() { return mirage::capturing(); });
+  // Work that does not pass the op path (a torch.compile'd graph's host kernels) joins the graph
+  // being captured as a call of operator `op` (schema `(int handle) -> ()`) on each replay.
+  m.def("graph_record_call(str op, int handle) -> ()", [](const std::string& name, int64_t handle) {
+    TORCH_CHECK(mirage::capturing(), "graph_record_call: no CUDA graph is being captured");
+    const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "");
+    mirage::record_step([op, handle] {
+      torch::jit::Stack stack{c10::IValue(handle)};
+      op.callBoxed(&stack);
+    });
+  });
   m.def("graph_check_not_capturing() -> ()", []() {
     if (mirage::capturing()) mirage::refuse_during_capture();
   });

@@ -154,3 +154,22 @@ def test_a_compiled_optimizer_step_updates_the_parameters_as_eager():
         step()
     for p, q in zip(params, twins):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_function_captured_in_a_cuda_graph_runs_again_on_each_replay():
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x @ w).relu() + 1
+
+    compiled = torch.compile(f)
+    x = torch.randn(32, 32, device=DEVICE)
+    w = torch.randn(32, 32, device=DEVICE)
+    with torch.cuda.device(DEVICE):
+        compiled(x, w)  # compiled (and warmed up) before the capture, as CUDA graphs want
+        graph = torch.cuda.CUDAGraph()
+        # a stream of its own: torch.cuda.graph's shared default is made on the first caller's device
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream(DEVICE)):
+            out = compiled(x, w)
+        for seed in (1, 2):
+            x.copy_(torch.randn(32, 32, generator=torch.Generator().manual_seed(seed)))
+            graph.replay()
+            torch.testing.assert_close(out, f(x, w))
