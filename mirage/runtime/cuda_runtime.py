@@ -216,6 +216,7 @@ def _give_mem_pools(torch: ModuleType) -> None:
         if tuple(pool_id) in holders:
             let_go(tuple(pool_id))
 
+    torch._C._cuda_clearCublasWorkspaces = lambda: None  # the CPU kernels keep no BLAS workspaces
     memory.MemPool.__bases__ = (EmulatedMemPool,)
     for module in (torch._C, memory):  # torch.cuda.memory imported these by name
         module._cuda_beginAllocateCurrentThreadToPool = begin

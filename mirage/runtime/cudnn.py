@@ -34,6 +34,7 @@ def install(torch: ModuleType, amd: bool) -> None:
     C._cuda_get_cudnn_benchmark_limit = lambda: settings["benchmark_limit"]
     C._cuda_set_cudnn_benchmark_limit = lambda limit: settings.update(benchmark_limit=int(limit))
     C._cudnn_set_conv_benchmark_empty_cache = lambda enable: settings.update(conv_benchmark_empty_cache=bool(enable))
+    C._cuda_get_conv_benchmark_empty_cache = lambda: settings["conv_benchmark_empty_cache"]
     # torch.backends.cudnn.benchmark_limit is a property only where cuDNN was found at import
     type(torch.backends.cudnn).benchmark_limit = torch.backends.ContextProp(
         C._cuda_get_cudnn_benchmark_limit, C._cuda_set_cudnn_benchmark_limit)

@@ -17,8 +17,11 @@ device memory in place:
   chooses on a GPU) and collectives (functional collectives in the graph go through the group's
   emulated NCCL backend) are called on the device from inside the host code.
 
-AOTAutograd's cache stores compiled graphs without this wrapping, so it is turned off in a mirage
-process; inductor's FX graph cache (in the usual cache directory) stays on.
+A call during a CUDA graph capture joins the capture (the host kernels do not pass the shim's op
+path, which a capture records), and mode="reduce-overhead" puts each compiled graph in a CUDA graph
+(inductor's cudagraphify without cudagraph trees). AOTAutograd's cache stores compiled graphs
+without this wrapping, so it is turned off in a mirage process; inductor's FX graph cache (in the
+usual cache directory) stays on.
 """
 
 from __future__ import annotations
@@ -250,6 +253,23 @@ def _buffers_on_device(compiled: Any, device: int, torch: ModuleType) -> None:
         module_globals["empty_strided_cpu"] = _allocate_on(device, torch)
 
 
+def _with_cuda_graphs(host_graph: HostCompiledGraph, static_input_idxs: Sequence[int]) -> Callable:
+    """mode="reduce-overhead": the compiled code in a CUDA graph, captured at the first call and
+    replayed after it (inductor's CUDA graphs without cudagraph trees, its
+    `triton.cudagraph_trees=False` path: inputs copied into static ones, outputs static)."""
+    from torch._inductor.compile_fx import cudagraphify_impl
+
+    graphed: list[Callable] = []
+
+    def run(new_inputs: list) -> Any:
+        if not graphed:
+            graphed.append(cudagraphify_impl(host_graph, new_inputs, static_input_idxs))
+        return graphed[0](new_inputs)
+
+    run._boxed_call = True
+    return run
+
+
 def _host_compile(inner_compile: Callable, device_ops: _DeviceOps, captured_calls: _CapturedCalls,
                   torch: ModuleType) -> Callable:
     def compile_for_host(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
@@ -262,13 +282,17 @@ def _host_compile(inner_compile: Callable, device_ops: _DeviceOps, captured_call
 
         output_devices = _output_devices(gm, torch)
         static_outputs = _static_outputs(gm, torch)
+        cudagraphs = bool(kwargs.get("cudagraphs"))  # inductor turns it off for a host graph
         fake_mode = detect_fake_mode(example_inputs)
         host_inputs = [_host_fake(v, torch, fake_mode) for v in example_inputs]
         _move_graph_to_host(gm, device_ops, torch)
         FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*host_inputs)
         compiled = inner_compile(gm, host_inputs, **kwargs)
         _buffers_on_device(compiled, device or 0, torch)
-        return HostCompiledGraph(compiled, output_devices, static_outputs, captured_calls, torch)
+        host_graph = HostCompiledGraph(compiled, output_devices, static_outputs, captured_calls, torch)
+        if not cudagraphs or device is None:
+            return host_graph
+        return _with_cuda_graphs(host_graph, tuple(kwargs.get("static_input_idxs", ())))
 
     return compile_for_host
 

@@ -173,3 +173,14 @@ def test_a_compiled_function_captured_in_a_cuda_graph_runs_again_on_each_replay(
             x.copy_(torch.randn(32, 32, generator=torch.Generator().manual_seed(seed)))
             graph.replay()
             torch.testing.assert_close(out, f(x, w))
+
+
+def test_reduce_overhead_replays_a_cuda_graph_whose_outputs_are_static():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh()).to(DEVICE)
+    compiled = torch.compile(model, mode="reduce-overhead")
+    x = torch.randn(16, 64, device=DEVICE)
+    with torch.no_grad(), torch.cuda.device(DEVICE):
+        first = compiled(x)  # captured
+        second = compiled(x + 1)  # replayed: into the same output memory, as a CUDA graph's
+        assert second.data_ptr() == first.data_ptr()
+        torch.testing.assert_close(second, model(x + 1), rtol=1e-5, atol=1e-5)
