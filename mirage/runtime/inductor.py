@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.machinery
+import logging
 import sys
 from types import ModuleType
 from typing import Any, Callable, Sequence
@@ -338,8 +339,15 @@ class _CompileFxImportHook(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _no_triton_warning(record: logging.LogRecord) -> bool:
+    """A GPU build of torch installs Triton, so it never logs torch.utils.flop_counter's "triton not
+    found" (which a CPU build reaches because the emulation sets torch.version.hip / .cuda)."""
+    return "triton not found" not in record.getMessage()
+
+
 def install(torch: ModuleType) -> None:
     """Arms the compile_fx patch (or applies it, if inductor is already loaded)."""
+    logging.getLogger("torch.utils.flop_counter").addFilter(_no_triton_warning)
     if _COMPILE_FX in sys.modules:
         _patch(sys.modules[_COMPILE_FX], torch)
     else:
