@@ -201,6 +201,8 @@ class HostCompiledGraph:
         self.host_view = torch.ops.mirage.host_view
         self.device_views = torch.ops.mirage.device_views
         self.capturing = torch.ops.mirage.graph_capturing
+        self.busy_enter, self.busy_exit = torch.ops.mirage.busy_region_enter, torch.ops.mirage.busy_region_exit
+        self.device = next((d for d in output_devices if d >= 0), 0)
         self.tensor_type = torch.Tensor
 
     def _capture(self, host_args: list) -> list:
@@ -226,7 +228,11 @@ class HostCompiledGraph:
         args.clear()
         if self.capturing():
             return self._capture(host_args)
-        outputs = list(self.compiled(host_args))
+        self.busy_enter(self.device)  # the host kernels are the device's work (utilization)
+        try:
+            outputs = list(self.compiled(host_args))
+        finally:
+            self.busy_exit()
         moved = [i for i, o in enumerate(outputs) if isinstance(o, self.tensor_type) and self.output_devices[i] >= 0]
         views = self.device_views([outputs[i] for i in moved], [self.output_devices[i] for i in moved])
         for i, view in zip(moved, views):

@@ -106,12 +106,17 @@ static std::array<DeviceCache, kMaxDevices> g_caches;
 
 static void add_busy(DeviceIndex device, int64_t ns);
 
-// Measures one piece of device work into the device's busy time.
+// Measures one piece of device work into the device's busy time; work inside work (an op a
+// timed op or a compiled graph runs) is counted once, by the outermost timer.
+static thread_local int tl_busy_depth = 0;
+
 class BusyTimer {
  public:
-  explicit BusyTimer(DeviceIndex device) : device_(device), start_(std::chrono::steady_clock::now()) {}
+  explicit BusyTimer(DeviceIndex device)
+      : device_(device), outermost_(tl_busy_depth++ == 0), start_(std::chrono::steady_clock::now()) {}
   ~BusyTimer() {
-    if (device_ < 0 || device_ >= kMaxDevices) return;
+    --tl_busy_depth;
+    if (!outermost_ || device_ < 0 || device_ >= kMaxDevices) return;
     const auto spent = std::chrono::steady_clock::now() - start_;
     add_busy(device_, std::chrono::duration_cast<std::chrono::nanoseconds>(spent).count());
   }
@@ -120,8 +125,13 @@ class BusyTimer {
 
  private:
   DeviceIndex device_;
+  bool outermost_;
   std::chrono::steady_clock::time_point start_;
 };
+
+// Device work that does not pass the op path (a torch.compile'd graph's host kernels), timed
+// between busy_region_enter and busy_region_exit on the calling thread.
+static thread_local std::vector<std::unique_ptr<BusyTimer>> tl_busy_regions;
 
 static std::string format_size(int64_t bytes) {
   char buf[64];
@@ -1462,6 +1472,14 @@ TORCH_LIBRARY(mirage, m) {
     } else {
       p.blocks[2] = p.blocks[3] = p.bytes[2] = p.bytes[3] = 0;
     }
+  });
+  m.def("busy_region_enter(int device) -> ()", [](int64_t device) {
+    mirage::check_index(static_cast<c10::DeviceIndex>(device));
+    mirage::tl_busy_regions.push_back(std::make_unique<mirage::BusyTimer>(static_cast<c10::DeviceIndex>(device)));
+  });
+  m.def("busy_region_exit() -> ()", []() {
+    TORCH_CHECK(!mirage::tl_busy_regions.empty(), "busy_region_exit without busy_region_enter");
+    mirage::tl_busy_regions.pop_back();
   });
   m.def("busy_time_ns(int device) -> int", [](int64_t device) -> int64_t {
     mirage::check_index(static_cast<c10::DeviceIndex>(device));

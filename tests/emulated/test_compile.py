@@ -93,7 +93,9 @@ def test_compiled_code_reads_and_writes_device_memory_in_place_and_its_buffers_a
     torch.cuda.synchronize(DEVICE)
     torch.cuda.reset_peak_memory_stats(DEVICE)
     base = torch.cuda.memory_allocated(DEVICE)
+    busy = torch.ops.mirage.busy_time_ns(DEVICE.index)
     out = step(x, w)
+    assert torch.ops.mirage.busy_time_ns(DEVICE.index) > busy  # its host kernels are the device's work
     torch.testing.assert_close(x, before + 1)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-3)
     one_matrix = 512 * 512 * 4
