@@ -31,6 +31,7 @@ import importlib.abc
 import importlib.machinery
 import logging
 import sys
+import threading
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
@@ -190,7 +191,7 @@ def _static_outputs(gm: Any, torch: ModuleType) -> list[Any]:
 class HostCompiledGraph:
     """A graph inductor compiled for the host, called with and returning device tensors."""
 
-    def __init__(self, compiled: Callable, output_devices: list[int], static_outputs: list[Any],
+    def __init__(self, compiled: Callable, device: int, output_devices: list[int], static_outputs: list[Any],
                  captured_calls: _CapturedCalls, torch: ModuleType):
         self._boxed_call = True  # an instance attribute: wrappers that copy __dict__ keep it
         self.compiled = compiled
@@ -202,7 +203,7 @@ class HostCompiledGraph:
         self.device_views = torch.ops.mirage.device_views
         self.capturing = torch.ops.mirage.graph_capturing
         self.busy_enter, self.busy_exit = torch.ops.mirage.busy_region_enter, torch.ops.mirage.busy_region_exit
-        self.device = next((d for d in output_devices if d >= 0), 0)
+        self.device = device  # whose memory its buffers are, whose busy time its kernels are
         self.tensor_type = torch.Tensor
 
     def _capture(self, host_args: list) -> list:
@@ -216,7 +217,12 @@ class HostCompiledGraph:
                    for described in self.static_outputs]
 
         def replay() -> None:
-            for output, result in zip(outputs, self.compiled(list(host_args))):
+            outer, _running.device = getattr(_running, "device", None), self.device
+            try:
+                results = self.compiled(list(host_args))
+            finally:
+                _running.device = outer
+            for output, result in zip(outputs, results):
                 if isinstance(output, self.tensor_type):
                     output.copy_(result)
 
@@ -229,9 +235,11 @@ class HostCompiledGraph:
         if self.capturing():
             return self._capture(host_args)
         self.busy_enter(self.device)  # the host kernels are the device's work (utilization)
+        outer, _running.device = getattr(_running, "device", None), self.device
         try:
             outputs = list(self.compiled(host_args))
         finally:
+            _running.device = outer
             self.busy_exit()
         moved = [i for i, o in enumerate(outputs) if isinstance(o, self.tensor_type) and self.output_devices[i] >= 0]
         views = self.device_views([outputs[i] for i in moved], [self.output_devices[i] for i in moved])
@@ -243,21 +251,29 @@ class HostCompiledGraph:
         return getattr(self.compiled, name)
 
 
-def _allocate_on(device: int, torch: ModuleType) -> Callable:
-    """The generated code's buffer allocator, over device memory."""
+# The device whose compiled graph this thread is running, if any: a generated module may be shared
+# (inductor's code cache) by a host graph compiled for "cpu" and one moved from a device.
+_running = threading.local()
+
+
+def _buffers_on_device(compiled: Any, torch: ModuleType) -> None:
+    """Points the generated module's buffer allocation at device memory while a moved graph runs."""
+    module_globals = getattr(getattr(compiled, "current_callable", None), "__globals__", None)
+    if module_globals is None or "empty_strided_cpu" not in module_globals:
+        return
+    on_host = module_globals["empty_strided_cpu"]
+    if getattr(on_host, "_mirage", False):
+        return
     host_view = torch.ops.mirage.host_view
 
-    def empty_strided_device(size: Sequence[int], stride: Sequence[int], dtype: Any) -> Any:
+    def empty_strided(size: Sequence[int], stride: Sequence[int], dtype: Any) -> Any:
+        device = getattr(_running, "device", None)
+        if device is None:
+            return on_host(size, stride, dtype)
         return host_view(torch.empty_strided(size, stride, dtype=dtype, device=torch.device("cuda", device)))
 
-    return empty_strided_device
-
-
-def _buffers_on_device(compiled: Any, device: int, torch: ModuleType) -> None:
-    """Points the generated module's buffer allocation at device memory."""
-    module_globals = getattr(getattr(compiled, "current_callable", None), "__globals__", None)
-    if module_globals is not None and "empty_strided_cpu" in module_globals:
-        module_globals["empty_strided_cpu"] = _allocate_on(device, torch)
+    empty_strided._mirage = True
+    module_globals["empty_strided_cpu"] = empty_strided
 
 
 def _with_cuda_graphs(host_graph: HostCompiledGraph, static_input_idxs: Sequence[int]) -> Callable:
@@ -295,9 +311,11 @@ def _host_compile(inner_compile: Callable, device_ops: _DeviceOps, captured_call
         _move_graph_to_host(gm, device_ops, torch)
         FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*host_inputs)
         compiled = inner_compile(gm, host_inputs, **kwargs)
-        _buffers_on_device(compiled, device or 0, torch)
-        host_graph = HostCompiledGraph(compiled, output_devices, static_outputs, captured_calls, torch)
-        if not cudagraphs or device is None:
+        _buffers_on_device(compiled, torch)
+        if device is None:  # no device inputs: the device of the first device output
+            device = next((d for d in output_devices if d >= 0), 0)
+        host_graph = HostCompiledGraph(compiled, device, output_devices, static_outputs, captured_calls, torch)
+        if not cudagraphs:
             return host_graph
         return _with_cuda_graphs(host_graph, tuple(kwargs.get("static_input_idxs", ())))
 

@@ -186,3 +186,16 @@ def test_reduce_overhead_replays_a_cuda_graph_whose_outputs_are_static():
         second = compiled(x + 1)  # replayed: into the same output memory, as a CUDA graph's
         assert second.data_ptr() == first.data_ptr()
         torch.testing.assert_close(second, model(x + 1), rtol=1e-5, atol=1e-5)
+
+
+def test_the_same_graph_compiled_for_the_host_keeps_its_buffers_on_the_host():
+    @torch.compile
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x.sin() @ x).cos() @ x
+
+    f(torch.randn(128, 128, device=DEVICE))
+    torch.cuda.reset_peak_memory_stats(DEVICE)
+    before = torch.cuda.memory_allocated(DEVICE)
+    out = f(torch.randn(128, 128))  # the same generated code (inductor's code cache), for "cpu"
+    assert out.device.type == "cpu"
+    assert torch.cuda.max_memory_allocated(DEVICE) == before
