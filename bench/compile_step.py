@@ -4,9 +4,9 @@ Not a test. Must run under mirage:
 
     mirage run --gpus-per-node 1 -- python bench/compile_step.py [--steps 20] [--compiles 2]
 
-The workload: a GPT-style model (token + position embeddings, 2 blocks of LayerNorm, causal SDPA
-attention and a GELU MLP, the head tied to the embedding; width 256, 4 heads, sequence 128,
-batch 8), built once from a seed and copied to both devices. One step = forward + cross-entropy
+The workload: the memory table's GPT (bench/memory_workloads.py: token + position embeddings,
+pre-norm blocks of causal SDPA attention and a GELU MLP) with 2 blocks, width 256, 4 heads,
+vocabulary 512, sequence 128, batch 8, built once from a seed and copied to both devices. One step = forward + cross-entropy
 + backward + SGD step, the model under torch.compile (inductor's default mode).
 
 Three figures, each a median of ratios measured in the same run, the sides interleaved so that
@@ -35,49 +35,17 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+
+from memory_workloads import GPT  # the memory table's GPT block (bench/memory_workloads.py)
 
 TARGETS = {"compile": 1.25, "step": 1.10}
-
-
-class Block(nn.Module):
-    def __init__(self, width: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, width = x.shape
-        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2)
-                   for t in self.qkv(self.norm1(x)).split(width, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(batch, length, width))
-        return x + self.out(F.gelu(self.fc(self.norm2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab: int = 512, width: int = 256, heads: int = 4, context: int = 128, layers: int = 2):
-        super().__init__()
-        self.tokens, self.positions = nn.Embedding(vocab, width), nn.Embedding(context, width)
-        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.tokens.weight
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.norm(x))
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 class Side:
     """One device's model, optimizer, batch and (compiled or eager) step."""
 
     def __init__(self, template: GPT, batch: tuple[torch.Tensor, torch.Tensor], device: str, compiled: bool):
+        """`batch`: the tokens and the targets."""
         self.device = torch.device(device)
         self.model = copy.deepcopy(template).to(self.device)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
@@ -87,7 +55,8 @@ class Side:
     def step(self) -> float:
         """One training step; its wall time (the device's work waited for)."""
         started = time.perf_counter()
-        loss = self.forward(*self.batch)
+        tokens, targets = self.batch
+        loss = F.cross_entropy(self.forward(tokens).flatten(0, 1), targets.flatten())
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -125,7 +94,7 @@ def main() -> int:
         print("run this under mirage: mirage run --gpus-per-node 1 -- python bench/compile_step.py", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    template = GPT()
+    template = GPT(vocab=512, width=256, depth=2, heads=4, seq=128, checkpointed=False)
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 512, (8, 129), generator=generator)
     batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())

@@ -297,9 +297,9 @@ def _host_compile(inner_compile: Callable, device_ops: _DeviceOps, captured_call
                   torch: ModuleType) -> Callable:
     def compile_for_host(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
         device = _first_device(example_inputs, torch)
-        if device is None and not any(_is_device(v, torch) or (isinstance(v, torch.Tensor) and v.is_cuda)
-                                      for n in gm.graph.nodes for v in [n.meta.get("val")]):
-            return inner_compile(gm, example_inputs, **kwargs)
+        if device is None and not any(isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_cuda
+                                      for n in gm.graph.nodes):
+            return inner_compile(gm, example_inputs, **kwargs)  # nothing on an emulated device
         from torch._guards import detect_fake_mode
         from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
