@@ -17,6 +17,7 @@ import os
 from types import ModuleType, SimpleNamespace
 
 from mirage.profiles import Profile
+from mirage.runtime import memory_pools
 
 # cudaError_t / hipError_t values programs meet, and their runtime's error strings.
 _ERRORS = {0: ("success", "no error"), 1: ("invalid_value", "invalid argument"),
@@ -114,8 +115,8 @@ def install(torch: ModuleType, profile: Profile) -> None:
         return block.data_ptr()
 
     def raw_delete(pointer: int) -> None:
-        if raw_blocks.pop(pointer, None) is None:
-            raise RuntimeError("invalid device pointer: " + hex(pointer))
+        if raw_blocks.pop(pointer, None) is None:  # else a private pool's block (cudagraph trees free them so)
+            torch.ops.mirage.raw_delete(pointer)  # or "invalid device pointer", as CUDA
 
     caching = {"enabled": True}
     C._cuda_cudaCachingAllocator_raw_alloc, C._cuda_cudaCachingAllocator_raw_delete = raw_alloc, raw_delete
@@ -167,30 +168,19 @@ def _give_mem_pools(torch: ModuleType) -> None:
     model (MemPool.snapshot lists them); a pool given up (releasePool) returns its cached
     segments. A custom allocator (CUDAPluggableAllocator) is kept but not called."""
     memory = torch.cuda.memory
-    pool_ids = iter(range(1, 1 << 62))
-    # A pool's holders, as the real allocator's use_count: its MemPool object, and each
-    # use_mem_pool context until the context's releasePool. At 0 its segments may go.
-    holders: dict[tuple[int, int], int] = {}
-    devices: dict[tuple[int, int], int] = {}
-
-    def let_go(pool_id: tuple[int, int]) -> None:
-        holders[pool_id] -= 1
-        if holders[pool_id] == 0:
-            del holders[pool_id]
-            torch.ops.mirage.release_pool(devices.pop(pool_id), *pool_id)
+    pools = memory_pools.holders(torch)
 
     class EmulatedMemPool:
         """The native half of torch.cuda.MemPool (torch._C._MemPool on a GPU build)."""
 
         def __init__(self, allocator=None, is_user_created=True, use_on_oom=False, no_split=False):
-            self._id = (0, next(pool_ids)) if is_user_created else (next(pool_ids), 0)
+            self._id = memory_pools.new_pool_id(user_created=is_user_created)
             self._allocator = allocator
-            holders[self._id] = 1
-            devices[self._id] = torch.cuda.current_device()
+            pools.hold(self._id, torch.cuda.current_device())
 
         def __del__(self) -> None:
-            if getattr(self, "_id", None) in holders:
-                let_go(self._id)
+            if getattr(self, "_id", None) is not None:
+                pools.let_go(self._id)
 
         @property
         def id(self) -> tuple[int, int]:
@@ -201,20 +191,17 @@ def _give_mem_pools(torch: ModuleType) -> None:
             return self._allocator
 
         def use_count(self) -> int:
-            return holders.get(self._id, 0)
+            return pools.count(self._id)
 
     def begin(device: int, pool_id) -> None:
-        pool_id = tuple(pool_id)
-        holders[pool_id] = holders.get(pool_id, 0) + 1
-        devices.setdefault(pool_id, device)
+        pools.hold(tuple(pool_id), device)
         torch.ops.mirage.begin_pool(device, *pool_id)
 
     def end(device: int, pool_id) -> None:
         torch.ops.mirage.end_pool(device, *pool_id)
 
     def release(device: int, pool_id) -> None:
-        if tuple(pool_id) in holders:
-            let_go(tuple(pool_id))
+        pools.let_go(tuple(pool_id))
 
     torch._C._cuda_clearCublasWorkspaces = lambda: None  # the CPU kernels keep no BLAS workspaces
     memory.MemPool.__bases__ = (EmulatedMemPool,)

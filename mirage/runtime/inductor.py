@@ -18,8 +18,10 @@ device memory in place:
   emulated NCCL backend) are called on the device from inside the host code.
 
 A call during a CUDA graph capture joins the capture (the host kernels do not pass the shim's op
-path, which a capture records), and mode="reduce-overhead" puts each compiled graph in a CUDA graph
-(inductor's cudagraphify without cudagraph trees). AOTAutograd's cache stores compiled graphs
+path, which a capture records), and mode="reduce-overhead" hands each compiled graph to inductor's
+cudagraphify as on a GPU: cudagraph trees by default (warm-up, recording into the tree's shared
+private pool, replays, checkpoints of the pool's allocator state), or one CUDA graph per compiled
+graph with `triton.cudagraph_trees=False`. AOTAutograd's cache stores compiled graphs
 without this wrapping, so it is turned off in a mirage process; inductor's FX graph cache (in the
 usual cache directory) stays on.
 """
@@ -172,31 +174,70 @@ class _CapturedCalls:
         self.torch.ops.mirage.graph_record_call("mirage_host::replay_compiled", handle)
 
 
-def _static_outputs(gm: Any, torch: ModuleType) -> list[Any]:
-    """Each graph output's (sizes, strides, dtype, device) where they are static, the value of
-    a static non-tensor output, None where an output's shape is symbolic."""
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    described = []
-    for node in output.args[0]:
-        value = node.meta.get("val") if hasattr(node, "meta") else node
+class _OutputGeometry:
+    """Each graph output's sizes and strides (or value, for a non-tensor output) as expressions of
+    the inputs' sizes. A capture does not run the graph, yet must allocate its outputs: with dynamic
+    shapes their sizes are those this call's inputs give."""
+
+    def __init__(self, gm: Any, example_inputs: Sequence[Any], torch: ModuleType):
+        self.symbols: list[tuple[int, int | None, Any]] = []  # (input, dim or None for an int input, symbol)
+        for index, value in enumerate(example_inputs):
+            dims = enumerate(value.size()) if isinstance(value, torch.Tensor) else [(None, value)]
+            for dim, size in dims:
+                if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                    self.symbols.append((index, dim, size.node.expr))
+        self.torch = torch
+        output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        self.outputs = [self._describe(node.meta.get("val") if hasattr(node, "meta") else node)
+                        for node in output.args[0]]
+
+    def _describe(self, value: Any) -> Any:
+        torch = self.torch
+
+        def expression(d: Any) -> Any:
+            return d.node.expr if isinstance(d, torch.SymInt) else d
+
         if isinstance(value, torch.Tensor):
-            geometry = (*value.size(), *value.stride())
-            static = all(isinstance(d, int) for d in geometry)
-            described.append((tuple(value.size()), value.stride(), value.dtype, value.device) if static else None)
-        else:
-            described.append(("value", value) if isinstance(value, (int, float, bool, type(None))) else None)
-    return described
+            return ("tensor", [expression(d) for d in value.size()], [expression(d) for d in value.stride()],
+                    value.dtype, value.device)
+        if isinstance(value, torch.SymInt):
+            return ("value", expression(value))
+        return ("value", value) if isinstance(value, (int, float, bool, type(None))) else None
+
+    def concrete(self, args: Sequence[Any]) -> list[Any] | None:
+        """The outputs' (sizes, strides, dtype, device) or values for these inputs; None when one
+        of them does not follow from the inputs' sizes (a data-dependent shape)."""
+        import sympy
+
+        bindings = {symbol: sympy.Integer(args[index] if dim is None else args[index].size(dim))
+                    for index, dim, symbol in self.symbols}
+
+        def evaluate(e: Any) -> Any:
+            if isinstance(e, (int, float, bool, type(None))):
+                return e
+            value = e.xreplace(bindings)
+            if not value.is_Integer:
+                raise LookupError(e)
+            return int(value)
+
+        try:
+            return [None if d is None else
+                    ("value", evaluate(d[1])) if d[0] == "value" else
+                    ([evaluate(e) for e in d[1]], [evaluate(e) for e in d[2]], d[3], d[4])
+                    for d in self.outputs] if all(d is not None for d in self.outputs) else None
+        except LookupError:
+            return None
 
 
 class HostCompiledGraph:
     """A graph inductor compiled for the host, called with and returning device tensors."""
 
-    def __init__(self, compiled: Callable, device: int, output_devices: list[int], static_outputs: list[Any],
+    def __init__(self, compiled: Callable, device: int, output_devices: list[int], output_geometry: _OutputGeometry,
                  captured_calls: _CapturedCalls, torch: ModuleType):
         self._boxed_call = True  # an instance attribute: wrappers that copy __dict__ keep it
         self.compiled = compiled
         self.output_devices = output_devices
-        self.static_outputs = static_outputs
+        self.output_geometry = output_geometry
         self.captured_calls = captured_calls
         self.torch = torch
         self.host_view = torch.ops.mirage.host_view
@@ -210,19 +251,25 @@ class HostCompiledGraph:
         """Called during a CUDA graph capture: the outputs are allocated (their contents undefined
         until a replay, as CUDA's); each replay runs the compiled code and fills them."""
         torch = self.torch
-        if any(described is None for described in self.static_outputs):
-            torch.ops.mirage.graph_check_not_capturing()  # symbolic shapes: CUDA's capture error
-        outputs = [described[1] if described[0] == "value" else
-                   torch.empty_strided(described[0], described[1], dtype=described[2], device=described[3])
-                   for described in self.static_outputs]
+        described = self.output_geometry.concrete(host_args)
+        if described is None:
+            torch.ops.mirage.graph_check_not_capturing()  # a data-dependent shape: CUDA's capture error
+        outputs = [d[1] if d[0] == "value" else torch.empty_strided(d[0], d[1], dtype=d[2], device=d[3])
+                   for d in described]
+
+        # the graph refers to its pool's memory without owning it, as CUDA graphs do
+        reference = torch.ops.mirage.graph_reference
+        replay_args = [reference(a) if isinstance(a, self.tensor_type) else a for a in host_args]
+        replay_outputs = [reference(o) if isinstance(o, self.tensor_type) else o for o in outputs]
+        del host_args
 
         def replay() -> None:
             outer, _running.device = getattr(_running, "device", None), self.device
             try:
-                results = self.compiled(list(host_args))
+                results = self.compiled(list(replay_args))
             finally:
                 _running.device = outer
-            for output, result in zip(outputs, results):
+            for output, result in zip(replay_outputs, results):
                 if isinstance(output, self.tensor_type):
                     output.copy_(result)
 
@@ -276,19 +323,25 @@ def _buffers_on_device(compiled: Any, torch: ModuleType) -> None:
     module_globals["empty_strided_cpu"] = empty_strided
 
 
-def _with_cuda_graphs(host_graph: HostCompiledGraph, static_input_idxs: Sequence[int]) -> Callable:
-    """mode="reduce-overhead": the compiled code in a CUDA graph, captured at the first call and
-    replayed after it (inductor's CUDA graphs without cudagraph trees, its
-    `triton.cudagraph_trees=False` path: inputs copied into static ones, outputs static)."""
-    from torch._inductor.compile_fx import cudagraphify_impl
+def _cudagraph_info(gm: Any) -> dict[str, Any]:
+    """What inductor's cudagraphify reports errors with (the outputs' stack traces, the inputs'
+    placeholders), read from the graph before inductor's passes rewrite it."""
+    from torch._inductor.cudagraph_utils import get_placeholder_info
 
-    graphed: list[Callable] = []
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return {"stack_traces": [getattr(arg, "stack_trace", None) for arg in output.args[0]],
+            "placeholders": get_placeholder_info(gm.graph)}
 
-    def run(new_inputs: list) -> Any:
-        if not graphed:
-            graphed.append(cudagraphify_impl(host_graph, new_inputs, static_input_idxs))
-        return graphed[0](new_inputs)
 
+def _with_cuda_graphs(host_graph: HostCompiledGraph, info: dict[str, Any], compiled: Any,
+                      kwargs: dict[str, Any]) -> Callable:
+    """mode="reduce-overhead": inductor's own cudagraphify, as compile_fx applies it to a GPU graph."""
+    from torch._inductor.compile_fx import cudagraphify
+
+    run = cudagraphify(host_graph, static_input_idxs=tuple(kwargs.get("static_input_idxs", ())),
+                       device_index=host_graph.device, is_backward=bool(kwargs.get("is_backward")),
+                       is_inference=bool(kwargs.get("is_inference")),
+                       mutated_input_idxs=tuple(getattr(compiled, "mutated_input_idxs", ())), **info)
     run._boxed_call = True
     return run
 
@@ -304,8 +357,14 @@ def _host_compile(inner_compile: Callable, device_ops: _DeviceOps, captured_call
         from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
         output_devices = _output_devices(gm, torch)
-        static_outputs = _static_outputs(gm, torch)
-        cudagraphs = bool(kwargs.get("cudagraphs"))  # inductor turns it off for a host graph
+        output_geometry = _OutputGeometry(gm, example_inputs, torch)
+        cudagraph_info = _cudagraph_info(gm)
+        # inductor would turn CUDA graphs off for a host graph, in the box the forward and backward
+        # share, and count a skip a GPU does not have: it compiles with them off, mirage adds them
+        cudagraphs = bool(kwargs.get("cudagraphs"))
+        if "cudagraphs" in kwargs:
+            from torch._inductor.utils import BoxedBool
+            kwargs = {**kwargs, "cudagraphs": BoxedBool(False)}
         fake_mode = detect_fake_mode(example_inputs)
         host_inputs = [_host_fake(v, torch, fake_mode) for v in example_inputs]
         _move_graph_to_host(gm, device_ops, torch)
@@ -314,10 +373,10 @@ def _host_compile(inner_compile: Callable, device_ops: _DeviceOps, captured_call
         _buffers_on_device(compiled, torch)
         if device is None:  # no device inputs: the device of the first device output
             device = next((d for d in output_devices if d >= 0), 0)
-        host_graph = HostCompiledGraph(compiled, device, output_devices, static_outputs, captured_calls, torch)
+        host_graph = HostCompiledGraph(compiled, device, output_devices, output_geometry, captured_calls, torch)
         if not cudagraphs:
             return host_graph
-        return _with_cuda_graphs(host_graph, tuple(kwargs.get("static_input_idxs", ())))
+        return _with_cuda_graphs(host_graph, cudagraph_info, compiled, kwargs)
 
     return compile_for_host
 

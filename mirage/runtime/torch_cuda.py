@@ -188,6 +188,7 @@ def install(torch: ModuleType) -> None:
 
     torch.version.hip = _HIP_VERSION if profile.is_amd else None
     torch.version.cuda = None if profile.is_amd else _CUDA_VERSION
+    C._has_cuda = True  # torch.backends.cuda.is_built(): true on CUDA and ROCm builds alike
 
     def stream_tuple(stream) -> tuple[int, int, int]:
         return (stream.stream_id, stream.device_index, stream.device_type)

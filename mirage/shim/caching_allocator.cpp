@@ -3,6 +3,7 @@
 #include "caching_allocator.h"
 
 #include <c10/core/AllocatorConfig.h>
+#include <c10/core/impl/alloc_cpu.h>
 #include <c10/util/Exception.h>
 #include <c10/util/env.h>
 #include <c10/util/llvmMathExtras.h>
@@ -111,11 +112,19 @@ bool DeviceCache::take_free_block(BlockPool& pool, size_t size, int64_t stream, 
 
 bool DeviceCache::new_segment(BlockPool& pool, size_t size, int64_t stream, bool retry, const Reserve& reserve,
                               CachedBlock*& out) {
-  if (expandable_segments()) return grow_expandable(pool, size, stream, retry, reserve, out);
+  const bool is_private = pool.owner != PoolId{0, 0};
+  if (expandable_segments() && !is_private) return grow_expandable(pool, size, stream, retry, reserve, out);
   const size_t bytes = segment_size_for(size);
   if (retry) stats_.num_alloc_retries += 1;
-  if (!reserve(bytes, reserved_total_)) return false;
+  // a private segment's bytes are taken first: a host that cannot back them raises, nothing counted
+  char* host = is_private ? static_cast<char*>(c10::alloc_cpu(bytes)) : nullptr;
+  if (!reserve(bytes, reserved_total_)) {
+    if (host) c10::free_cpu(host);
+    return false;
+  }
+  if (host) private_segments_[reinterpret_cast<uintptr_t>(host)] = bytes;
   out = new CachedBlock{stream, bytes, 0, next_address_, &pool};
+  out->host = host;
   next_address_ += bytes;
   reserved_total_ += static_cast<int64_t>(bytes);
   update(stats_.segment, pool.is_small, 1);
@@ -285,6 +294,10 @@ void DeviceCache::release_segment(CachedBlock* block, const Release& release) {
   update(stats_.reserved_bytes, block->pool->is_small, -static_cast<int64_t>(block->size));
   if (block->size >= max_split_size()) update(stats_.oversize_segments, -1);
   stats_.num_device_free += 1;
+  if (block->host) {
+    private_segments_.erase(reinterpret_cast<uintptr_t>(block->host));
+    c10::free_cpu(block->host);
+  }
   delete block;
 }
 
@@ -380,11 +393,21 @@ CachedBlock* DeviceCache::allocate(size_t requested, int64_t stream, const Reser
     observe_ = nullptr;
     return nullptr;
   }
-  const bool already_split = block->is_split();
   const size_t remaining_bytes = block->size - size;
   const bool split = pool.is_small || expandable_segments()
                          ? remaining_bytes >= cfg::kMinBlockSize
                          : size < max_split_size() && remaining_bytes > cfg::kSmallSize;
+  block = use_block(block, size, requested, split);
+  observe_ = nullptr;
+  return block;
+}
+
+// Allocates `size` bytes at the start of a free block taken out of its pool's cache, the rest
+// (when `split`) cached as a free block of its own.
+CachedBlock* DeviceCache::use_block(CachedBlock* block, size_t size, size_t requested, bool split) {
+  BlockPool& pool = *block->pool;
+  const int64_t stream = block->stream;
+  const bool already_split = block->is_split();
   if (split) {
     auto* rest = block;
     block = new CachedBlock{stream, size, 0, rest->address, &pool};
@@ -394,6 +417,8 @@ CachedBlock* DeviceCache::allocate(size_t requested, int64_t stream, const Reser
     rest->prev = block;
     rest->address += size;
     rest->size -= size;
+    block->host = rest->host;
+    if (rest->host) rest->host += size;
     block->space = rest->space;
     cache(rest);
     if (block->space) {
@@ -418,7 +443,6 @@ CachedBlock* DeviceCache::allocate(size_t requested, int64_t stream, const Reser
   update(stats_.requested_bytes, pool.is_small, static_cast<int64_t>(requested));
   if (block->size >= max_split_size()) update(stats_.oversize_allocations, 1);
   if (observe_) (*observe_)(TraceAction::alloc, block->address, requested, stream);  // the request, as CUDA's
-  observe_ = nullptr;
   return block;
 }
 
@@ -426,6 +450,7 @@ size_t DeviceCache::merge(CachedBlock* dst, CachedBlock* src) {
   if (!src || src->allocated || src->mapped != dst->mapped) return 0;
   if (dst->prev == src) {
     dst->address = src->address;
+    dst->host = src->host;
     dst->prev = src->prev;
     if (dst->prev) dst->prev->next = dst;
   } else {
@@ -455,6 +480,10 @@ void DeviceCache::free(CachedBlock* block, const Observer* observe) {
     (*observe)(TraceAction::free_requested, block->address, block->requested, block->stream);
     (*observe)(TraceAction::free_completed, block->address, block->requested, block->stream);
   }
+  free_locked(block);
+}
+
+void DeviceCache::free_locked(CachedBlock* block) {
   const bool small = block->pool->is_small;
   const int64_t size = static_cast<int64_t>(block->size);
   const int64_t requested = static_cast<int64_t>(block->requested);
@@ -557,6 +586,75 @@ std::vector<SegmentView> DeviceCache::segments() {
   }
   std::sort(out.begin(), out.end(), [](const SegmentView& a, const SegmentView& b) { return a.address < b.address; });
   return out;
+}
+
+std::vector<SegmentView> DeviceCache::pool_segments(PoolId pool) {
+  std::vector<SegmentView> all = segments();
+  std::vector<SegmentView> out;
+  for (SegmentView& view : all) {
+    if (view.pool == pool) out.push_back(std::move(view));
+  }
+  return out;
+}
+
+DeviceCache::Restored DeviceCache::restore_pool(PoolId pool_id, const std::vector<SegmentView>& checkpoint) {
+  std::lock_guard<std::mutex> lock(mu_);
+  observe_ = nullptr;
+  auto it = private_.find(pool_id);
+  TORCH_CHECK(it != private_.end(), "Could not find pool of id");
+  PoolPair& pair = it->second;
+  Restored out;
+  std::vector<CachedBlock*> live;
+  for (CachedBlock* b : active_) {
+    if (b->pool->owner == pool_id) live.push_back(b);
+  }
+  for (CachedBlock* b : live) {
+    out.freed.push_back(b->host);
+    free_locked(b);
+  }
+  for (const SegmentView& segment : checkpoint) {
+    BlockPool& pool = segment.is_small ? pair.small : pair.large;
+    auto head = std::find_if(pool.blocks.begin(), pool.blocks.end(),
+                             [&](const CachedBlock* b) { return b->address == segment.address; });
+    TORCH_CHECK(head != pool.blocks.end(), "could not find ", segment.address);
+    CachedBlock* rest = *head;
+    TORCH_CHECK(rest->prev == nullptr, "Expected curr_block->prev == nullptr to be true, but got false. ");
+    TORCH_CHECK(rest->next == nullptr, "Expected curr_block->next == nullptr to be true, but got false. ");
+    std::vector<CachedBlock*> carved;
+    for (const SegmentView::Block& b : segment.blocks) {
+      pool.blocks.erase(rest);
+      CachedBlock* block = use_block(rest, b.size, b.requested, b.size < rest->size);
+      carved.push_back(block);
+      rest = block->next;
+      if (!rest) break;
+    }
+    for (size_t i = 0; i < carved.size(); ++i) {
+      if (segment.blocks[i].allocated) {
+        out.allocated.emplace_back(carved[i]->host, carved[i]);
+      } else {
+        free_locked(carved[i]);
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<char*> DeviceCache::pool_live_blocks(PoolId pool) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<char*> out;
+  for (const CachedBlock* b : active_) {
+    if (b->pool->owner == pool) out.push_back(b->host);
+  }
+  return out;
+}
+
+bool DeviceCache::in_private_segment(const void* p) {
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = private_segments_.upper_bound(address);
+  if (it == private_segments_.begin()) return false;
+  --it;
+  return address < it->first + it->second;
 }
 
 double apply_allocator_config(bool amd) {

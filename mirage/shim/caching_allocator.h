@@ -18,7 +18,14 @@
 // segment size in the large one); empty_cache and the retry before an OOM unmap its wholly free
 // pages. garbage_collection_threshold frees the oldest unused cached segments once this process's
 // reserved memory passes that fraction of its allowed memory (a memory fraction must be set, as on
-// CUDA). Not modelled: CUDA graph captures allocate from the default pools.
+// CUDA).
+//
+// A private pool (a MemPool's, or the one a CUDA graph captures into) holds its bytes as the real
+// one does: each of its segments is one host allocation, and a block's memory is its segment's at
+// the block's offset, so a freed block's bytes stay the pool's until the segment goes, and the
+// same address is handed out again. Captured graphs replay into that memory and cudagraph trees
+// checkpoint and restore a pool's blocks (pool_segments / restore_pool), so private pools never
+// use expandable segments (CUDA's rule: its checkpoints do not support them).
 #pragma once
 
 #include <c10/core/CachingDeviceAllocator.h>
@@ -80,6 +87,7 @@ struct CachedBlock {
   bool mapped = true;                    // false: an unmapped range of an expandable segment
   ExpandableSpace* space = nullptr;      // the expandable segment it belongs to, if any
   int64_t free_since = 0;                // its pool's free_block_searches when it was cached
+  char* host = nullptr;                  // private pools: the block's bytes (its segment's at its offset)
   bool is_split() const { return prev != nullptr || next != nullptr; }
 };
 
@@ -124,6 +132,22 @@ class DeviceCache {
   // A MemPool is gone (torch._C._cuda_releasePool): its cached segments go, the rest when freed.
   void release_pool(PoolId pool, const Release& release, const Observer* observe = nullptr);
 
+  // A private pool's segments (a cudagraph tree's checkpoint of it, torch._C._cuda_getCheckpointState).
+  std::vector<SegmentView> pool_segments(PoolId pool);
+  // torch._C._cuda_setCheckpointPoolState: every allocated block of the pool is freed, then each
+  // checkpointed segment is split into its checkpointed blocks again and those that were allocated
+  // are allocated again. Raises when the pool or a segment is gone or a segment still has a live
+  // block outside the checkpoint (CUDA's checks).
+  struct Restored {
+    std::vector<char*> freed;                                // host memory of the blocks freed
+    std::vector<std::pair<char*, CachedBlock*>> allocated;   // the blocks allocated again
+  };
+  Restored restore_pool(PoolId pool, const std::vector<SegmentView>& checkpoint);
+  // Host memory of the pool's allocated blocks (torch._C._cuda_checkPoolLiveAllocations).
+  std::vector<char*> pool_live_blocks(PoolId pool);
+  // Whether `p` lies in a private pool's segment (memory a captured graph replays into).
+  bool in_private_segment(const void* p);
+
   // The device's capacity (expandable segments reserve 9/8 of it as address space) and the bytes
   // this process may hold there (garbage_collection_threshold is a fraction of them; 0: no
   // memory fraction set, no garbage collection).
@@ -144,6 +168,8 @@ class DeviceCache {
   bool grow_expandable(BlockPool& pool, size_t size, int64_t stream, bool retry, const Reserve& reserve,
                        CachedBlock*& out);
   CachedBlock* find_expandable(BlockPool& pool, size_t size, int64_t stream);
+  CachedBlock* use_block(CachedBlock* block, size_t size, size_t requested, bool split);
+  void free_locked(CachedBlock* block);
   bool map(CachedBlock* block, size_t size, const Reserve& reserve);
   void unmap(CachedBlock* block, const Release& release);
   void release_space(CachedBlock* block);
@@ -162,6 +188,7 @@ class DeviceCache {
   PoolPair default_;
   std::map<PoolId, PoolPair> private_;
   std::set<CachedBlock*> active_;
+  std::map<uintptr_t, size_t> private_segments_;  // host memory of private pools' segments: base -> bytes
   std::vector<std::unique_ptr<ExpandableSpace>> spaces_;
   std::atomic<size_t> capacity_{0}, allowed_by_fraction_{0};
   uint64_t next_address_ = 0x7f0000000000ULL;

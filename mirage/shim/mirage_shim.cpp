@@ -378,7 +378,16 @@ static Observer history_observer(DeviceIndex dev, std::shared_ptr<torch::Capture
 // torch.cuda.use_mem_pool: the MemPools this thread allocates into, per device (innermost last).
 static thread_local std::array<std::vector<PoolId>, kMaxDevices> tl_pools;
 
-static PoolId current_pool(DeviceIndex dev) { return tl_pools[dev].empty() ? PoolId{0, 0} : tl_pools[dev].back(); }
+// The private pool of the CUDA graph being captured, and its device (-1: none). A capture is
+// process-wide (autograd's device threads issue a captured backward pass), so is its pool.
+static PoolId g_capture_pool{0, 0};
+static std::atomic<int> g_capture_device{-1};
+
+static PoolId current_pool(DeviceIndex dev) {
+  if (!tl_pools[dev].empty()) return tl_pools[dev].back();
+  if (C10_UNLIKELY(g_capture_device.load(std::memory_order_acquire) == dev)) return g_capture_pool;
+  return PoolId{0, 0};
+}
 
 // A block of the device's caching allocator for `nbytes`; raises the allocator's OOM error.
 static CachedBlock* allocate_block(DeviceIndex dev, size_t nbytes) {
@@ -429,6 +438,44 @@ static void free_block(void* base) {
   c10::free_cpu(base);
 }
 
+// A private pool's blocks live in their segment's memory (caching_allocator.h), so they have no
+// header: their data pointer is their context, as on CUDA, and this table finds their block.
+// free_pool_block is the allocator's raw deleter (the one cudagraph trees look for and swap).
+struct PoolBlocks {
+  std::mutex mu;
+  std::unordered_map<const void*, std::pair<DeviceIndex, CachedBlock*>> by_data;
+};
+static PoolBlocks g_pool_blocks;
+
+static c10::DataPtr pool_block_data(DeviceIndex dev, CachedBlock* block);
+
+static bool release_pool_block(void* data) {
+  std::pair<DeviceIndex, CachedBlock*> found{-1, nullptr};
+  {
+    std::lock_guard<std::mutex> g(g_pool_blocks.mu);
+    auto it = g_pool_blocks.by_data.find(data);
+    if (it == g_pool_blocks.by_data.end()) return false;
+    found = it->second;
+    g_pool_blocks.by_data.erase(it);
+  }
+  free_device_block(found.first, found.second);
+  return true;
+}
+
+static void free_pool_block(void* data) {
+  if (!release_pool_block(data)) {
+    TORCH_WARN("mirage: freeing ", data, ", which is no live block of a private memory pool (freed twice?)");
+  }
+}
+
+static c10::DataPtr pool_block_data(DeviceIndex dev, CachedBlock* block) {
+  {
+    std::lock_guard<std::mutex> g(g_pool_blocks.mu);
+    g_pool_blocks.by_data[block->host] = {dev, block};
+  }
+  return {block->host, block->host, &free_pool_block, c10::Device(DeviceType::CUDA, dev)};
+}
+
 struct DeviceMemoryAllocator final : c10::DeviceAllocator {
   DeviceIndex fixed_device = -1;  // -1: the calling thread's current device
 
@@ -436,6 +483,7 @@ struct DeviceMemoryAllocator final : c10::DeviceAllocator {
     DeviceIndex dev = fixed_device >= 0 ? fixed_device : tl_device;
     if (n == 0) return c10::DataPtr(nullptr, c10::Device(DeviceType::CUDA, dev));
     CachedBlock* block = allocate_block(dev, n);
+    if (block->host) return pool_block_data(dev, block);
     void* base = nullptr;
     try {
       base = c10::alloc_cpu(n + kHeader);
@@ -453,6 +501,7 @@ struct DeviceMemoryAllocator final : c10::DeviceAllocator {
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     std::memcpy(dest, src, count);
   }
+  c10::DeleterFnPtr raw_deleter() const override { return &free_pool_block; }
   bool initialized() override { return true; }
   // torch.cuda.empty_cache: every device's cached segments go back (the MemPool id is not modelled).
   void emptyCache(c10::MempoolId_t) override {
@@ -850,6 +899,50 @@ static bool capturing() { return g_capturing.load(std::memory_order_relaxed) != 
       "_DSA` to enable device-side assertions.\n");
 }
 
+// Whether `p` is memory of a private pool (what a graph captures into).
+static bool in_private_pool(const void* p) {
+  for (DeviceIndex d = 0; d < config().num_devices; ++d) {
+    if (g_caches[d].in_private_segment(p)) return true;
+  }
+  return false;
+}
+
+// What a captured graph keeps of a tensor. Memory of a private pool is referred to, not owned (a
+// CUDA graph holds addresses): the pool keeps the bytes while the graph holds the pool, and the
+// tensor itself may die, as cudagraph trees expect of a graph's outputs. Other memory (parameters,
+// inputs allocated before the capture) is kept alive with the graph, which on a GPU would be the
+// caller's duty.
+static at::Tensor graph_reference(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage()) return t;
+  const c10::Storage& storage = t.storage();
+  void* data = const_cast<void*>(storage.data());
+  if (data == nullptr || !in_private_pool(data)) return t;
+  c10::Storage alias(c10::Storage::use_byte_size_t(), storage.nbytes(), c10::DataPtr(data, storage.device()),
+                     nullptr, false);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      std::move(alias), c10::DispatchKeySet(t.is_cuda() ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU), t.dtype());
+  impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  return at::Tensor(std::move(impl));
+}
+
+// A recorded op's argument as the graph keeps it (new lists: the caller's are left alone).
+static c10::IValue graph_reference(const c10::IValue& iv) {
+  if (iv.isTensor()) return graph_reference(iv.toTensor());
+  if (iv.isTensorList()) {
+    c10::List<at::Tensor> out;
+    for (const at::Tensor& t : iv.toTensorList().vec()) out.push_back(graph_reference(t));
+    return out;
+  }
+  if (iv.isOptionalTensorList()) {
+    c10::List<std::optional<at::Tensor>> out;
+    for (const std::optional<at::Tensor>& t : iv.toOptionalTensorList().vec()) {
+      out.push_back(t.has_value() ? std::optional<at::Tensor>(graph_reference(*t)) : std::nullopt);
+    }
+    return out;
+  }
+  return iv;
+}
+
 static void record_step(std::function<void()> step) {
   std::lock_guard<std::mutex> g(g_graphs_mu);
   g_graphs[g_capturing.load()].steps.push_back(std::move(step));
@@ -859,7 +952,9 @@ static void record_step(std::function<void()> step) {
 static void capture_op(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t num_args = op.schema().arguments().size();
   const size_t base = stack->size() - num_args;
-  std::vector<c10::IValue> inputs(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
+  // what the graph keeps of the arguments, taken before they are swapped for meta stand-ins below
+  std::vector<c10::IValue> inputs;
+  for (size_t i = base; i < stack->size(); ++i) inputs.push_back(graph_reference((*stack)[i]));
   std::vector<std::pair<at::Tensor, at::Tensor>> metas;  // (meta stand-in, device tensor)
   DeviceIndex target = tl_device;
   auto to_meta = [&](const at::Tensor& t) -> at::Tensor {
@@ -916,6 +1011,7 @@ static void capture_op(const c10::OperatorHandle& op, torch::jit::Stack* stack) 
     }
     iv = result;
   }
+  for (auto& [captured, position] : fresh) captured = graph_reference(captured);
   record_step([op, inputs, fresh] {
     torch::jit::Stack replay(inputs.begin(), inputs.end());
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CUDA), &replay);
@@ -1070,10 +1166,7 @@ static at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
 static at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool) {
   if (capturing()) {
     if (!self.is_cuda() || !src.is_cuda()) refuse_during_capture();  // a host copy syncs the stream
-    record_step([self, src] {
-      at::Tensor into = self;
-      into.copy_(src);
-    });
+    record_step([into = graph_reference(self), from = graph_reference(src)]() mutable { into.copy_(from); });
     return self;
   }
   at::Tensor dst_cpu = self.is_cuda() ? cpu_alias(self) : self;
@@ -1298,6 +1391,70 @@ static std::vector<at::Tensor> device_views(const std::vector<at::Tensor>& host,
 }
 }  // namespace mirage
 
+namespace mirage {
+
+static c10::StorageImpl* storage_at(int64_t address) {
+  return reinterpret_cast<c10::StorageImpl*>(static_cast<uintptr_t>(address));  // a storage's _cdata
+}
+
+// torch._C._cuda_setCheckpointPoolState: the pool back to a checkpoint (DeviceCache::restore_pool),
+// then, as CUDA's binding does, the stale storages whose blocks were freed stop owning them (their
+// deleter becomes a no-op) and the live storages handed over own their blocks again.
+static void restore_pool_checkpoint(int64_t device, int64_t id0, int64_t id1, std::vector<int64_t> flat,
+                                    std::vector<int64_t> stale_storages, std::vector<int64_t> storages_to_add_deleters_to) {
+  check_index(static_cast<DeviceIndex>(device));
+  const auto dev = static_cast<DeviceIndex>(device);
+  std::vector<SegmentView> checkpoint;
+  for (size_t i = 0; i < flat.size();) {
+    SegmentView segment{static_cast<uint64_t>(flat[i]), 0, 0, flat[i + 1] != 0, false,
+                        {static_cast<uint64_t>(id0), static_cast<uint64_t>(id1)}, {}};
+    const int64_t count = flat[i + 2];
+    i += 3;
+    for (int64_t b = 0; b < count; ++b, i += 3) {
+      segment.blocks.push_back({0, static_cast<size_t>(flat[i]), static_cast<size_t>(flat[i + 1]), flat[i + 2] != 0});
+      segment.total_size += static_cast<size_t>(flat[i]);
+    }
+    checkpoint.push_back(std::move(segment));
+  }
+  std::vector<c10::StorageImpl*> stale;
+  std::unordered_set<c10::StorageImpl*> stale_set;
+  for (int64_t s : stale_storages) {
+    if (stale_set.insert(storage_at(s)).second) stale.push_back(storage_at(s));
+  }
+  // The blocks the restore frees leave the pool-block table first (their pointers may come back).
+  std::vector<char*> live_before = g_caches[dev].pool_live_blocks({static_cast<uint64_t>(id0), static_cast<uint64_t>(id1)});
+  DeviceCache::Restored delta = g_caches[dev].restore_pool({static_cast<uint64_t>(id0), static_cast<uint64_t>(id1)}, checkpoint);
+  {
+    std::lock_guard<std::mutex> g(g_pool_blocks.mu);
+    for (char* p : live_before) g_pool_blocks.by_data.erase(p);
+  }
+  std::unordered_set<const void*> allocated, freed(delta.freed.begin(), delta.freed.end());
+  for (const auto& [host, block] : delta.allocated) allocated.insert(host);
+  size_t definitely_freed = 0;
+  for (const char* p : delta.freed) definitely_freed += allocated.count(p) == 0 ? 1 : 0;
+  TORCH_CHECK(stale_set.size() >= definitely_freed,
+              "Any stale tensors which are being manually freed must be passed to set checkpoint");
+  for (c10::StorageImpl* storage : stale) {
+    TORCH_CHECK(freed.count(storage->data_ptr().get()) != 0);
+    TORCH_CHECK(storage->mutable_data_ptr().compare_exchange_deleter(&free_pool_block, &c10::detail::deleteNothing),
+                "Unexpected deleter function on storage, could not swap function");
+  }
+  std::unordered_map<const void*, c10::StorageImpl*> owners;
+  for (int64_t s : storages_to_add_deleters_to) owners[storage_at(s)->data_ptr().get()] = storage_at(s);
+  for (const auto& [host, block] : delta.allocated) {
+    c10::DataPtr data = pool_block_data(dev, block);
+    auto owner = owners.find(host);
+    if (owner != owners.end()) {
+      TORCH_CHECK(owner->second->data_ptr().get_context() == nullptr, " Not expecting deleter function");
+      owner->second->set_data_ptr_noswap(std::move(data));
+    } else {
+      data.release_context();  // allocated, owned by no storage: the caller frees it by pointer (raw_delete)
+    }
+  }
+}
+
+}  // namespace mirage
+
 TORCH_LIBRARY(mirage, m) {
   m.def("host_view(Tensor t) -> Tensor", &mirage::host_view);
   m.def("device_views(Tensor[] host, int[] devices) -> Tensor[]", &mirage::device_views);
@@ -1413,23 +1570,75 @@ TORCH_LIBRARY(mirage, m) {
         [](const std::string& name, int64_t nbytes, int64_t device) {
           return mirage::open_shared(name, nbytes, static_cast<c10::DeviceIndex>(device));
         });
-  m.def("graph_capture_begin() -> int", []() -> int64_t {
+  // A capture on `device` whose allocations come from private pool (id0, id1).
+  m.def("graph_capture_begin(int device, int id0, int id1) -> int", [](int64_t device, int64_t id0, int64_t id1) -> int64_t {
     std::lock_guard<std::mutex> g(mirage::g_graphs_mu);
     TORCH_CHECK(!mirage::capturing(), "Cannot capture a new graph while another one is being captured");
+    mirage::check_index(static_cast<c10::DeviceIndex>(device));
     const int64_t id = mirage::g_next_graph++;
     mirage::g_graphs[id];
     mirage::g_capture_failed = false;
+    mirage::g_capture_pool = {static_cast<uint64_t>(id0), static_cast<uint64_t>(id1)};
+    mirage::g_capture_device.store(static_cast<int>(device), std::memory_order_release);
     mirage::g_capturing = id;
     return id;
   });
   m.def("graph_capture_end(int graph) -> ()", [](int64_t graph) {
     TORCH_CHECK(mirage::g_capturing.load() == graph, "graph ", graph, " is not being captured");
+    mirage::g_capture_device.store(-1, std::memory_order_release);
     mirage::g_capturing = 0;
     if (mirage::g_capture_failed.exchange(false)) {
       const char* api = mirage::config().amd ? "HIP" : "CUDA";
       TORCH_CHECK(false, api, " error: operation failed due to a previous error during capture");
     }
   });
+  m.def("graph_reference(Tensor t) -> Tensor", [](const at::Tensor& t) { return mirage::graph_reference(t); });
+  // cudagraph trees' view of a private pool (torch._C._cuda_getCheckpointState and friends). A
+  // checkpoint travels as ints: per segment its address, small (0/1), block count, then per block
+  // size, requested size, allocated (0/1).
+  m.def("pool_checkpoint(int device, int id0, int id1) -> int[]", [](int64_t device, int64_t id0, int64_t id1) {
+    mirage::check_index(static_cast<c10::DeviceIndex>(device));
+    std::vector<int64_t> out;
+    for (const auto& segment : mirage::g_caches[device].pool_segments({static_cast<uint64_t>(id0), static_cast<uint64_t>(id1)})) {
+      out.insert(out.end(), {static_cast<int64_t>(segment.address), segment.is_small ? 1 : 0,
+                             static_cast<int64_t>(segment.blocks.size())});
+      for (const auto& b : segment.blocks) {
+        out.insert(out.end(), {static_cast<int64_t>(b.size), static_cast<int64_t>(b.requested), b.allocated ? 1 : 0});
+      }
+    }
+    return out;
+  });
+  m.def("pool_restore(int device, int id0, int id1, int[] checkpoint, int[] stale_storages, int[] storages_to_add_deleters_to) -> ()",
+        &mirage::restore_pool_checkpoint);
+  m.def("pool_live_allocations(int device, int id0, int id1) -> int[]", [](int64_t device, int64_t id0, int64_t id1) {
+    mirage::check_index(static_cast<c10::DeviceIndex>(device));
+    std::vector<int64_t> out;
+    for (char* p : mirage::g_caches[device].pool_live_blocks({static_cast<uint64_t>(id0), static_cast<uint64_t>(id1)})) {
+      out.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(p)));
+    }
+    return out;
+  });
+  m.def("raw_delete(int data) -> ()", [](int64_t data) {
+    TORCH_CHECK(mirage::release_pool_block(reinterpret_cast<void*>(static_cast<uintptr_t>(data))), "invalid device pointer: ",
+                reinterpret_cast<void*>(static_cast<uintptr_t>(data)));
+  });
+  m.def("storage_has_standard_deleter(int storage) -> bool", [](int64_t storage) {
+    return mirage::storage_at(storage)->data_ptr().get_deleter() == &mirage::free_pool_block;
+  });
+  m.def("storage_free_and_remove_deleter(int storage) -> ()", [](int64_t storage) {
+    c10::StorageImpl* impl = mirage::storage_at(storage);
+    void* data = impl->data_ptr().get();
+    TORCH_CHECK(impl->mutable_data_ptr().compare_exchange_deleter(&mirage::free_pool_block, &c10::detail::deleteNothing),
+                "Expected standard deleter");
+    mirage::free_pool_block(data);
+  });
+  m.def("set_storage_access_error_msg(Tensor t, str msg) -> ()", [](const at::Tensor& t, std::string msg) {
+    t.unsafeGetTensorImpl()->release_storage_and_set_meta_custom_data_ptr_error_msg_(std::move(msg));
+  });
+  m.def("set_storage_data_ptr_access_error_msg(int storage, str msg) -> ()", [](int64_t storage, std::string msg) {
+    mirage::storage_at(storage)->release_data_and_set_meta_custom_data_ptr_error_msg_(std::move(msg));
+  });
+  m.def("memory_history_enabled() -> bool", []() { return mirage::g_history.enabled.load(); });
   m.def("graph_capturing() -> bool", []() { return mirage::capturing(); });
   // Work that does not pass the op path (a torch.compile'd graph's host kernels) joins the graph
   // being captured as a call of operator `op` (schema `(int handle) -> ()`) on each replay.

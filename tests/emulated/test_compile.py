@@ -177,15 +177,78 @@ def test_a_compiled_function_captured_in_a_cuda_graph_runs_again_on_each_replay(
             torch.testing.assert_close(out, f(x, w))
 
 
-def test_reduce_overhead_replays_a_cuda_graph_whose_outputs_are_static():
+def test_reduce_overhead_cudagraph_trees_warm_up_record_and_replay_into_the_same_memory():
     model = nn.Sequential(nn.Linear(64, 64), nn.Tanh()).to(DEVICE)
     compiled = torch.compile(model, mode="reduce-overhead")
     x = torch.randn(16, 64, device=DEVICE)
     with torch.no_grad(), torch.cuda.device(DEVICE):
-        first = compiled(x)  # captured
-        second = compiled(x + 1)  # replayed: into the same output memory, as a CUDA graph's
-        assert second.data_ptr() == first.data_ptr()
-        torch.testing.assert_close(second, model(x + 1), rtol=1e-5, atol=1e-5)
+        compiled(x)  # warm-up
+        recorded = compiled(x + 1)
+        torch.testing.assert_close(recorded, model(x + 1), rtol=1e-5, atol=1e-5)
+        address = recorded.data_ptr()
+        replayed = compiled(x + 2)
+        assert replayed.data_ptr() == address
+        torch.testing.assert_close(replayed, model(x + 2), rtol=1e-5, atol=1e-5)
+        with pytest.raises(RuntimeError, match="overwritten by a subsequent run"):
+            recorded + 1
+    assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+def test_cudagraph_trees_train_through_a_graph_break_and_new_shapes_as_eager():
+    """Forward and backward graphs of two compiled parts in one tree; new batch sizes after
+    replays record new branches, which restores the pool's allocator checkpoint; inductor's slow
+    path asserts check after each step that the pool's live blocks are exactly the tree's."""
+
+    class TwoParts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = nn.Linear(32, 32), nn.Linear(32, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.first(x).relu()
+            torch._dynamo.graph_break()
+            return self.second(h)
+
+    from torch._inductor import config as inductor_config
+    from torch._inductor.cudagraph_trees import get_container
+
+    torch.manual_seed(0)
+    model = TwoParts().to(DEVICE)
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(model, mode="reduce-overhead")
+    optimizer, twin_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin))
+    with inductor_config.patch({"triton.slow_path_cudagraph_asserts": True}), torch.cuda.device(DEVICE):
+        for batch in (8, 8, 8, 16, 16, 8, 24, 16):
+            x = torch.randn(batch, 32, device=DEVICE)
+            loss = compiled(x).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            reference = twin(x).square().mean()
+            reference.backward()
+            twin_optimizer.step()
+            twin_optimizer.zero_grad()
+            torch.testing.assert_close(loss, reference)
+            with torch.no_grad():
+                torch.testing.assert_close(compiled(x), twin(x))
+        manager = get_container(DEVICE.index).tree_manager
+        assert manager.debug_checkpointing_counter > 0
+    assert counters["inductor"]["cudagraph_recorded_non_static_inputs"] > 0
+    assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+def test_reduce_overhead_without_trees_replays_one_cuda_graph_per_compiled_graph():
+    from torch._inductor import config as inductor_config
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh()).to(DEVICE)
+    with inductor_config.patch({"triton.cudagraph_trees": False}):
+        compiled = torch.compile(model, mode="reduce-overhead")
+        x = torch.randn(16, 64, device=DEVICE)
+        with torch.no_grad(), torch.cuda.device(DEVICE):
+            first = compiled(x)  # captured
+            second = compiled(x + 1)  # replayed: into the same output memory, as a CUDA graph's
+            assert second.data_ptr() == first.data_ptr()
+            torch.testing.assert_close(second, model(x + 1), rtol=1e-5, atol=1e-5)
 
 
 def test_the_same_graph_compiled_for_the_host_keeps_its_buffers_on_the_host():

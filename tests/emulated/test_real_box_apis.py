@@ -133,6 +133,10 @@ def test_caching_allocator_raw_blocks_and_runtime_error_strings():
         pass
 
 
+def test_torch_says_it_was_built_with_gpu_support_as_a_rocm_or_cuda_build_does():
+    assert torch.backends.cuda.is_built()  # inductor's cudagraph trees, among others, ask
+
+
 def test_a_cuda_graph_replays_its_captured_work_on_new_input_values():
     static_in = torch.ones(4, device="cuda")
     weight = torch.full((4,), 2.0, device="cuda")
@@ -157,6 +161,33 @@ def test_a_cuda_graph_replays_its_captured_work_on_new_input_values():
         doubled = static_out * 2
     second.replay()
     assert doubled.cpu().tolist() == [20.0] * 4
+
+
+def test_a_capture_allocates_from_its_graph_s_private_pool_which_outlives_the_captured_tensors():
+    torch.cuda.empty_cache()
+    x = torch.ones(1000, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        doubled = x * 2
+        out = doubled + 1
+    pool_segments = [s for s in torch.cuda.memory_snapshot() if s["segment_pool_id"] == graph.pool()]
+    assert [[b["state"] for b in s["blocks"]] for s in pool_segments] == [
+        ["active_allocated", "active_allocated", "inactive"]]  # one 2 MiB small-pool segment, split
+    address = doubled.data_ptr()
+    del doubled  # its block is free, its bytes still the pool's: the replay writes there safely
+    x.fill_(3.0)
+    graph.replay()
+    assert out.cpu().tolist() == [7.0] * 1000
+    second = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(second, pool=graph.pool()):  # graphs sharing a pool reuse its free blocks
+        tripled = x * 3
+    assert tripled.data_ptr() == address
+    second.replay()
+    assert tripled[:2].cpu().tolist() == [9.0, 9.0]
+    reserved = torch.cuda.memory_reserved()
+    del graph, second, out, tripled
+    torch.cuda.empty_cache()  # the pool went with its last graph: its segment goes back
+    assert torch.cuda.memory_reserved() == reserved - 2 * 1024 * 1024
 
 
 def test_what_a_gpu_refuses_during_capture_raises_its_error():
