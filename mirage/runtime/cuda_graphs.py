@@ -20,9 +20,13 @@ storages; the torch._C entry points they use are bound here to the shim's alloca
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 from mirage.runtime import memory_pools
+
+# Called with a graph's id when it is reset: what was recorded for it from Python (compiled
+# graphs' calls, inductor.py) goes with it.
+reset_listeners: list[Callable[[int], None]] = []
 
 
 def install(torch: ModuleType) -> None:
@@ -67,6 +71,8 @@ def install(torch: ModuleType) -> None:
         def reset(self) -> None:
             if self._id is not None:
                 ops.graph_reset(self._id)
+                for listener in reset_listeners:
+                    listener(self._id)
             self._id, self._captured = None, False
             if self._holds_pool:  # after the graph: what it replays into may go with the pool
                 self._holds_pool = False

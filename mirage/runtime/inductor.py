@@ -29,6 +29,7 @@ usual cache directory) stays on.
 from __future__ import annotations
 
 import functools
+import itertools
 import importlib.abc
 import importlib.machinery
 import logging
@@ -162,16 +163,27 @@ class _CapturedCalls:
     call of `mirage_host::replay_compiled(handle)`, run again on every replay."""
 
     def __init__(self, torch: ModuleType):
+        from mirage.runtime import cuda_graphs
+
         self.torch = torch
         self.calls: dict[int, Callable[[], None]] = {}
+        self.by_graph: dict[int, list[int]] = {}
+        self.handles = itertools.count(1)
         self.library = torch.library.Library("mirage_host", "FRAGMENT")
         self.library.define("replay_compiled(int handle) -> ()")
         self.library.impl("replay_compiled", lambda handle: self.calls[handle](), "CompositeExplicitAutograd")
+        cuda_graphs.reset_listeners.append(self.forget)
 
     def record(self, replay: Callable[[], None]) -> None:
-        handle = len(self.calls) + 1
+        handle = next(self.handles)
         self.calls[handle] = replay
+        self.by_graph.setdefault(self.torch.ops.mirage.graph_capture_id(), []).append(handle)
         self.torch.ops.mirage.graph_record_call("mirage_host::replay_compiled", handle)
+
+    def forget(self, graph: int) -> None:
+        """A graph was reset: the calls recorded in it are never replayed again."""
+        for handle in self.by_graph.pop(graph, ()):
+            del self.calls[handle]
 
 
 class _OutputGeometry:

@@ -1640,6 +1640,7 @@ TORCH_LIBRARY(mirage, m) {
   });
   m.def("memory_history_enabled() -> bool", []() { return mirage::g_history.enabled.load(); });
   m.def("graph_capturing() -> bool", []() { return mirage::capturing(); });
+  m.def("graph_capture_id() -> int", []() -> int64_t { return mirage::g_capturing.load(); });
   // Work that does not pass the op path (a torch.compile'd graph's host kernels) joins the graph
   // being captured as a call of operator `op` (schema `(int handle) -> ()`) on each replay.
   m.def("graph_record_call(str op, int handle) -> ()", [](const std::string& name, int64_t handle) {

@@ -175,6 +175,10 @@ def test_a_compiled_function_captured_in_a_cuda_graph_runs_again_on_each_replay(
             x.copy_(torch.randn(32, 32, generator=torch.Generator().manual_seed(seed)))
             graph.replay()
             torch.testing.assert_close(out, f(x, w))
+        allocated = torch.cuda.memory_allocated(DEVICE)
+        del w  # the recorded call still holds it (the graph does not own pool memory, it owns this)
+        graph.reset()  # what the capture recorded goes with the graph
+        assert torch.cuda.memory_allocated(DEVICE) == allocated - 32 * 32 * 4
 
 
 def test_reduce_overhead_cudagraph_trees_warm_up_record_and_replay_into_the_same_memory():
