@@ -733,12 +733,20 @@ static void release_adopted(void* ctx) {
   delete a;
 }
 
-// Re-labels the memory of a fresh CPU result as device memory (no copy).
+// Re-labels the memory of a fresh CPU result as device memory (no copy). Inside a private pool
+// (use_mem_pool, a cudagraph tree's warm-up) the block's bytes are the pool's: the result is
+// copied there, so that its address is the block's, as a GPU kernel's output would be.
 static c10::Storage adopt_storage(const c10::Storage& cpu, DeviceIndex dev) {
   int64_t nbytes = static_cast<int64_t>(cpu.nbytes());
   CachedBlock* block = nbytes > 0 ? allocate_block(dev, static_cast<size_t>(nbytes)) : nullptr;
-  auto* ctx = new AdoptedBytes{cpu, dev, block};
-  c10::DataPtr dp(const_cast<void*>(cpu.data()), ctx, &release_adopted, c10::Device(DeviceType::CUDA, dev));
+  c10::DataPtr dp;
+  if (block && block->host) {
+    std::memcpy(block->host, cpu.data(), static_cast<size_t>(nbytes));
+    dp = pool_block_data(dev, block);
+  } else {
+    dp = c10::DataPtr(const_cast<void*>(cpu.data()), new AdoptedBytes{cpu, dev, block}, &release_adopted,
+                      c10::Device(DeviceType::CUDA, dev));
+  }
   return c10::Storage(c10::make_intrusive<c10::StorageImpl>(
       c10::StorageImpl::use_byte_size_t(), nbytes, std::move(dp), &device_allocators()[dev], true));
 }

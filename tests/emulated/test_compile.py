@@ -198,6 +198,27 @@ def test_reduce_overhead_cudagraph_trees_warm_up_record_and_replay_into_the_same
     assert counters["inductor"]["cudagraph_skips"] == 0
 
 
+def test_the_gpt_trains_under_cudagraph_trees_as_eager():
+    """reduce-overhead's warm-up, recording and replays of the GPT's forward and backward; the
+    warm-up's outputs must be in the tree's pool (inductor's slow-path check, on by default),
+    including extern kernels' and the device-only attention kernels' results."""
+    torch.manual_seed(0)
+    eager = GPT().to(DEVICE)
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, mode="reduce-overhead")
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (eager, model)]
+    with torch.cuda.device(DEVICE):
+        for seed in range(4):
+            idx, targets = tokens(32, seed=seed)
+            losses = [eager(idx, targets), compiled(idx, targets)]
+            for loss, optimizer in zip(losses, optimizers):
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+    assert counters["inductor"]["cudagraph_skips"] == 0
+
+
 def test_cudagraph_trees_train_through_a_graph_break_and_new_shapes_as_eager():
     """Forward and backward graphs of two compiled parts in one tree; new batch sizes after
     replays record new branches, which restores the pool's allocator checkpoint; inductor's slow
