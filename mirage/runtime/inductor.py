@@ -365,6 +365,13 @@ def _host_compile(inner_compile: Callable, device_ops: _DeviceOps, captured_call
         if device is None and not any(isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_cuda
                                       for n in gm.graph.nodes):
             return inner_compile(gm, example_inputs, **kwargs)  # nothing on an emulated device
+        from torch._inductor.virtualized import V
+
+        if V.aot_compilation:
+            raise NotImplementedError(
+                "mirage: AOTInductor (torch._inductor.aoti_compile_and_package, aot_compile) is not emulated: it "
+                "builds a model library for the GPU, and mirage compiles device graphs as host graphs at run time. "
+                "Fix: run the model with torch.compile on the emulated GPU, or export and package it on device='cpu'.")
         from torch._guards import detect_fake_mode
         from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 

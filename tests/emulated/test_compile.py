@@ -287,3 +287,10 @@ def test_the_same_graph_compiled_for_the_host_keeps_its_buffers_on_the_host():
     out = f(torch.randn(128, 128))  # the same generated code (inductor's code cache), for "cpu"
     assert out.device.type == "cpu"
     assert torch.cuda.max_memory_allocated(DEVICE) == before
+
+
+def test_aotinductor_on_an_emulated_gpu_raises_that_it_is_not_emulated(tmp_path):
+    model = nn.Linear(16, 16).to(DEVICE)
+    exported = torch.export.export(model, (torch.randn(4, 16, device=DEVICE),))
+    with pytest.raises(NotImplementedError, match="AOTInductor .* is not emulated.*Fix:"):
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp_path / "model.pt2"))
