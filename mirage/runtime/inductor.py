@@ -29,9 +29,9 @@ usual cache directory) stays on.
 from __future__ import annotations
 
 import functools
-import itertools
 import importlib.abc
 import importlib.machinery
+import itertools
 import logging
 import sys
 import threading
@@ -232,11 +232,11 @@ class _OutputGeometry:
                 raise LookupError(e)
             return int(value)
 
+        if any(d is None for d in self.outputs):
+            return None
         try:
-            return [None if d is None else
-                    ("value", evaluate(d[1])) if d[0] == "value" else
-                    ([evaluate(e) for e in d[1]], [evaluate(e) for e in d[2]], d[3], d[4])
-                    for d in self.outputs] if all(d is not None for d in self.outputs) else None
+            return [("value", evaluate(d[1])) if d[0] == "value" else
+                    ([evaluate(e) for e in d[1]], [evaluate(e) for e in d[2]], d[3], d[4]) for d in self.outputs]
         except LookupError:
             return None
 
