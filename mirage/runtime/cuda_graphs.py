@@ -97,11 +97,10 @@ def install(torch: ModuleType) -> None:
             return 0
 
         def __del__(self) -> None:
-            if getattr(self, "_id", None) is not None or getattr(self, "_holds_pool", False):
-                try:
-                    self.reset()
-                except Exception:
-                    pass  # never raise under GC
+            try:
+                self.reset()
+            except Exception:
+                pass  # never raise under GC (nor for a graph whose __new__ did not finish)
 
     graphs.CUDAGraph.__bases__ = (EmulatedGraph,)
     # a finalizer reached through a new base is not installed on the class: set it there too

@@ -1429,12 +1429,10 @@ static void restore_pool_checkpoint(int64_t device, int64_t id0, int64_t id1, st
   for (int64_t s : stale_storages) {
     if (stale_set.insert(storage_at(s)).second) stale.push_back(storage_at(s));
   }
-  // The blocks the restore frees leave the pool-block table first (their pointers may come back).
-  std::vector<char*> live_before = g_caches[dev].pool_live_blocks({static_cast<uint64_t>(id0), static_cast<uint64_t>(id1)});
   DeviceCache::Restored delta = g_caches[dev].restore_pool({static_cast<uint64_t>(id0), static_cast<uint64_t>(id1)}, checkpoint);
-  {
+  {  // the freed blocks leave the pool-block table (their pointers may come back as allocated below)
     std::lock_guard<std::mutex> g(g_pool_blocks.mu);
-    for (char* p : live_before) g_pool_blocks.by_data.erase(p);
+    for (char* p : delta.freed) g_pool_blocks.by_data.erase(p);
   }
   std::unordered_set<const void*> allocated, freed(delta.freed.begin(), delta.freed.end());
   for (const auto& [host, block] : delta.allocated) allocated.insert(host);
