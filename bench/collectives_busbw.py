@@ -5,7 +5,8 @@ all_reduce, x (n-1)/n for all_gather, reduce_scatter and all_to_all (bytes: the 
 scattered / exchanged tensor of one rank), x 1 for broadcast, reduce and send/recv (bytes: the
 message; send/recv pairs rank 2k with 2k+1, both directions at once). Both sides are measured in
 the same job, interleaved per size, so machine noise hits both alike; the figure that matters is
-the ratio emulated / gloo.
+the ratio emulated / gloo. As in nccl-tests, a round's time is that of back-to-back operations
+(at least 16 MB of them) divided by their number; the median over the rounds is reported.
 
 The memory-bandwidth limit (all_reduce): every byte of a rank's S-byte tensor must at least be
 read from memory once and its result written once, i.e. one memcpy of S per rank; with B the
@@ -31,6 +32,10 @@ import sys
 import time
 
 SIZES_MB = (1, 4, 16, 64, 256)
+# A round times back-to-back operations of at least this many bytes in all, as nccl-tests times a
+# loop of iterations: one small operation alone measures the ranks' skew leaving the barrier
+# before it (on 2 cores, a scheduling quantum) more than the operation.
+BACK_TO_BACK_BYTES = 16 * 2**20
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "send_recv")
 
 
@@ -92,13 +97,15 @@ def worker(collectives: list[str], iters: int) -> None:
             numel = mb * 2**20 // 4
             sides = {"emulated": runner(collective, numel, "cuda", None), "gloo": runner(collective, numel, "cpu", cpu_group)}
             times = {name: [] for name in sides}
+            repeats = max(1, BACK_TO_BACK_BYTES // (mb * 2**20))
             for i in range(iters + 1):
                 for name, run in sides.items():
                     dist.barrier(group=cpu_group)
                     start = time.perf_counter()
-                    run()
+                    for _ in range(repeats):
+                        run()
                     if i:  # the first round is warm-up
-                        times[name].append(time.perf_counter() - start)
+                        times[name].append((time.perf_counter() - start) / repeats)
             busbw = {k: mb * 2**20 / statistics.median(v) * bus_factor(collective, world) / 1e9 for k, v in times.items()}
             row = {"collective": collective, "ranks": world, "size_mb": mb,
                    "busbw_emulated_gbs": round(busbw["emulated"], 3), "busbw_gloo_gbs": round(busbw["gloo"], 3),

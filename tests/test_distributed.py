@@ -13,7 +13,8 @@ from conftest import REPO, mirage
 NCCL_ENV = ["--env", "NCCL_P2P_DISABLE=1", "--env", "NCCL_SHM_DISABLE=1", "--env", "NCCL_SOCKET_IFNAME=lo"]
 
 
-@pytest.mark.parametrize("transport", [[], NCCL_ENV], ids=["shared-memory", "sockets"])
+@pytest.mark.parametrize("transport", [[], ["--env", "NCCL_P2P_DISABLE=1"], NCCL_ENV],
+                         ids=["shared-memory", "shared-memory-without-p2p", "sockets"])
 def test_every_collective_on_device_tensors_equals_gloo_on_cpu(transport):
     result = mirage("run", "--nproc-per-node", "4", "--gpus-per-node", "4", *transport, "--",
                     "python", "tests/workloads/collectives.py")
@@ -26,7 +27,9 @@ def test_every_collective_on_device_tensors_equals_gloo_on_cpu(transport):
                  "big_broadcast", "all_gather_into_tensor_in_place", "big_reduce_scatter_tensor_max",
                  "new_group broadcast",
                  "isend_irecv_batch", "new_subgroups all_reduce", "reduce_scatter_tensor", "barrier",
-                 "big_send_recv", "big_all_to_all_single", "big_isend_irecv_batch_with_self"):
+                 "big_send_recv", "big_all_to_all_single", "big_isend_irecv_batch_with_self",
+                 "peer_memory_broadcast", "peer_memory_broadcast_from_heap", "peer_memory_broadcast_to_heap",
+                 "peer_memory_isend_irecv_both_ways"):
         assert f"[0] ok {name}" in result.stdout
 
 
@@ -45,6 +48,19 @@ def test_ddp_across_two_emulated_nodes_without_torchrun():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[0] ddp_mlp_ok" in result.stdout
     assert "starting node 2/2" in result.stderr
+
+
+@pytest.mark.parametrize("p2p", [True, False], ids=["p2p", "NCCL_P2P_DISABLE"])
+def test_one_host_copies_between_gpus_memory_unless_p2p_is_disabled(p2p):
+    """NCCL's P2P transport: on one host, large messages go straight from one GPU's memory to
+    another's; NCCL_P2P_DISABLE=1 leaves the staging through shared memory (the SHM transport)."""
+    result = mirage("run", "--gpus-per-node", "2", "--env", "NCCL_DEBUG=INFO",
+                    *([] if p2p else ["--env", "NCCL_P2P_DISABLE=1"]), "--", "torchrun", "--standalone",
+                    "--nproc_per_node=2", "tests/fixtures/ml/dist_smoke.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    init_lines = [line for line in result.stderr.splitlines() if "Init COMPLETE" in line]
+    assert len(init_lines) == 2
+    assert all(("transport shared memory, P2P direct copies)" in line) == p2p for line in init_lines), init_lines
 
 
 def test_dist_smoke_on_two_nodes_logs_devices_and_reduces():

@@ -403,7 +403,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
     // turned off; so does the emulation.
     comm_ = env_flag("NCCL_SHM_DISABLE", false) && env_flag("NCCL_P2P_DISABLE", false)
                 ? connect_sockets(store_, rank, size, options_->timeout)
-                : connect_shared_memory(store_, rank, size);
+                : connect_shared_memory(store_, rank, size, !env_flag("NCCL_P2P_DISABLE", false), options_->timeout);
     TORCH_CHECK_WITH(DistBackendError, comm_, library(), " error: the emulated ", library(),
                      " runs inside a mirage session only (mirage run -- ...): no MIRAGE_SESSION, or /dev/shm "
                      "has no room for the communicator (`df -h /dev/shm`; NCCL_SHM_DISABLE=1 NCCL_P2P_DISABLE=1 "
@@ -1110,10 +1110,14 @@ class ProcessGroupNCCL final : public c10d::Backend {
     profile = profile.substr(0, profile.rfind('.'));
     const char* node = std::getenv("MIRAGE_NODE_RANK");
     const char* local = std::getenv("LOCAL_RANK");
-    std::cerr << host << ":" << getpid() << " [" << device << "] " << library() << " INFO comm 0x" << instance()
-              << " rank " << rank_ << " nRanks " << size_ << " node " << (node ? node : "0") << " localRank "
-              << (local ? local : "0") << " cudaDev " << device << " profile " << profile << " group "
-              << group_name() << " - Init COMPLETE (mirage emulated, transport " << comm_->transport() << ")" << std::endl;
+    std::ostringstream line;
+    line << host << ":" << getpid() << " [" << device << "] " << library() << " INFO comm 0x" << instance()
+         << " rank " << rank_ << " nRanks " << size_ << " node " << (node ? node : "0") << " localRank "
+         << (local ? local : "0") << " cudaDev " << device << " profile " << profile << " group " << group_name()
+         << " - Init COMPLETE (mirage emulated, transport " << comm_->transport() << ")\n";
+    // One write: ranks sharing a stderr (torchrun's) must not interleave their lines.
+    const std::string text = line.str();
+    (void)!::write(STDERR_FILENO, text.data(), text.size());
   }
 
   // ------------------------------------------------------------ the point-to-point worker
@@ -1155,6 +1159,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
       if (!worker_.joinable()) worker_ = std::thread([this] { run_worker(); });
     }
     queue_cv_.notify_one();
+    comm_->interrupt_transfer();
     return work;
   }
 

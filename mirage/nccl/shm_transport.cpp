@@ -18,14 +18,25 @@
 // sides rather than mixing messages. A rank blocked on its rings sleeps on its own doorbell word
 // in the group segment, which peers ring whenever they fill or drain one of its rings.
 //
+// Large messages and broadcasts skip the staging (NCCL's P2P transport, which NCCL_P2P_DISABLE=1
+// turns off): a device tensor from 1 MiB lives in its process's shared arena (the shim's
+// shared_device_memory.h), which every peer maps at connect, so the receiver copies it once,
+// straight from the sender's tensor, and the sender's work ends when the receiver says it has
+// the bytes. A broadcast root's tensor is read by every rank at once, the root writing a share of
+// each copy itself. Tensors outside the arena (smaller blocks, results of host kernels) take the
+// staged path, which every rank can tell from what the sender announces.
+//
 // Names: /mirage-<uid>-<session>.collectives-<id>[.p2p-...], so the run's teardown and `mirage
 // cleanup` find segments a rank left behind by dying before every peer mapped them.
 
 #include "transport.h"
 
+#include "../shim/shared_device_memory.h"
+
 #include <ATen/Dispatch.h>
 #include <c10/util/Exception.h>
 
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <sched.h>
@@ -39,6 +50,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
+#include <mutex>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -55,6 +68,56 @@ constexpr size_t kSlotBytes = size_t{128} << 10;
 constexpr size_t kSmallChunkBytes = size_t{64} << 10;  // below this every rank reduces it all
 constexpr size_t kPage = 4096;
 constexpr int kChannels = 2;
+// Messages from this size are copied directly when their tensor lies in the shared arena (a
+// tensor of kShareableMinBytes or more; all_to_all's pieces of one are smaller): below it the
+// ring's two copies cost less than the acknowledgement the direct copy waits for.
+constexpr size_t kDirectMinBytes = size_t{256} << 10;
+constexpr uint64_t kDirectMessage = uint64_t{1} << 63;  // in a message's header: its bytes stay in the sender
+constexpr uint64_t kNotShared = ~uint64_t{0};           // a tensor outside its process's arena
+
+// What a rank tells its peers at connect: its arena, and whether it could map every peer's.
+struct alignas(64) Peer {
+  MirageSharedArena arena;
+  uint32_t can_map;
+};
+
+// A peer's arena as mapped in this process, shared by every communicator that reaches the peer
+// and unmapped with the last one (a dead peer's memory is freed once nobody maps it).
+struct PeerArena {
+  PeerArena(char* base, size_t capacity) : base(base), capacity(capacity) {}
+  PeerArena(const PeerArena&) = delete;
+  PeerArena& operator=(const PeerArena&) = delete;
+  ~PeerArena() { munmap(base, capacity); }
+  char* const base;
+  const size_t capacity;
+};
+
+// Maps `arena` (another process's) here; null where its owner's file descriptors are not ours to
+// open (another user) or the arena is not what was announced (its owner is gone).
+std::shared_ptr<PeerArena> map_peer_arena(const MirageSharedArena& arena) {
+  static std::mutex mu;
+  static std::map<std::pair<int64_t, uint64_t>, std::weak_ptr<PeerArena>> mapped;
+  std::lock_guard<std::mutex> guard(mu);
+  auto& cached = mapped[{arena.pid, arena.id}];
+  if (auto live = cached.lock()) return live;
+  const std::string path = "/proc/" + std::to_string(arena.pid) + "/fd/" + std::to_string(arena.fd);
+  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) return nullptr;
+  void* base = mmap(nullptr, arena.capacity, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0);
+  close(fd);
+  if (base == MAP_FAILED) return nullptr;
+  auto peer = std::make_shared<PeerArena>(static_cast<char*>(base), arena.capacity);
+  if (*static_cast<const uint64_t*>(base) != arena.id) return nullptr;
+  cached = peer;
+  return peer;
+}
+
+// The calling process's arena, from the shim (loaded with RTLD_GLOBAL); none without the shim.
+MirageSharedArena own_arena() {
+  using Describe = MirageSharedArena (*)();
+  static const auto describe = reinterpret_cast<Describe>(dlsym(RTLD_DEFAULT, "mirage_shared_arena"));
+  return describe ? describe() : MirageSharedArena{};
+}
 
 using Op = c10d::ReduceOp::RedOpType;
 
@@ -107,7 +170,9 @@ void* map_named(const std::string& name, size_t bytes, bool create, bool reserve
 
 size_t calls_offset(int size) { return 128 + 8 * static_cast<size_t>(size); }
 size_t doorbells_offset(int size) { return calls_offset(size) + 2 * sizeof(Call) * static_cast<size_t>(size); }
-size_t data_offset(int size) { return (doorbells_offset(size) + 64 * static_cast<size_t>(size) + kPage - 1) / kPage * kPage; }
+size_t peers_offset(int size) { return (doorbells_offset(size) + 64 * static_cast<size_t>(size) + 63) / 64 * 64; }
+size_t where_offset(int size) { return peers_offset(size) + sizeof(Peer) * static_cast<size_t>(size); }
+size_t data_offset(int size) { return (where_offset(size) + 2 * 64 * static_cast<size_t>(size) + kPage - 1) / kPage * kPage; }
 size_t segment_bytes(int size) { return data_offset(size) + 2 * static_cast<size_t>(size) * kSlotBytes; }
 
 }  // namespace
@@ -117,7 +182,10 @@ class ShmCommunicator final : public Communicator {
  public:
   ShmCommunicator(void* base, size_t bytes, int rank, int size, std::string instance);
   ~ShmCommunicator() override;
-  const char* transport() const override { return "shared memory"; }
+  const char* transport() const override { return direct_ ? "shared memory, P2P direct copies" : "shared memory"; }
+  // Decides, with every rank, whether large messages go straight between the ranks' device
+  // memory: only if every rank could map every peer's arena (and `allowed`: NCCL_P2P_DISABLE unset).
+  void probe_peer_memory(bool allowed, const Timing& timing);
 
   void all_reduce(char* data, int64_t numel, at::ScalarType dtype, const Reduction& reduction,
                   const Timing& timing) override;
@@ -132,6 +200,7 @@ class ShmCommunicator final : public Communicator {
   void transfer(std::vector<Transfer>& transfers, int channel, const std::string& what,
                 const std::function<void(std::vector<Transfer>&)>& poll,
                 const std::function<void(size_t)>& finished) override;
+  void interrupt_transfer() override { ring_bell(rank_); }
 
  private:
   struct Ring;
@@ -140,6 +209,15 @@ class ShmCommunicator final : public Communicator {
   uint64_t* entered(int r) const;
   uint32_t* doorbell(int r) const;
   Call* call(int buffer, int r) const;
+  Peer* peer(int r) const;
+  // A broadcast's tensor, per rank: its offset in that rank's arena, or kNotShared.
+  uint64_t* where(int buffer, int r) const;
+  // Where `data` lies in this process's arena, or kNotShared (also without direct copies).
+  uint64_t shared_offset(const void* data) const;
+  // The bytes at `offset` in rank r's arena, as mapped here.
+  char* peer_bytes(int r, uint64_t offset) const;
+  // One step of a message sent by direct copy; how many bytes of it moved (0: none).
+  size_t step_direct(Transfer& t, Ring& ring);
   char* slot(int buffer, int r) const;
   int next_buffer() { return static_cast<int>(chunks_++ & 1); }
   void barrier(const Timing& timing);
@@ -152,12 +230,18 @@ class ShmCommunicator final : public Communicator {
   char* base_;
   size_t bytes_;
   bool spin_;
+  bool direct_ = false;  // large messages and broadcasts by direct copies (probe_peer_memory)
+  MirageSharedArena own_{};
+  std::vector<std::shared_ptr<PeerArena>> peer_memory_;  // per rank; null for this one
   uint64_t chunks_ = 0, barriers_ = 0;
   std::vector<std::unique_ptr<Ring>> rings_;  // [channel][src][dst], mapped on first use
 };
 
 // One ordered pair's ring: [head (bytes written, by the producer) | tail (bytes read, by the
-// consumer) | mapped (how many sides mapped it) | refused (a size mismatch)] then the data.
+// consumer) | mapped (how many sides mapped it) | refused (a size mismatch) | acked (direct
+// copies done)] then the data. A message is its length, then its bytes; or, for a direct copy,
+// its length with kDirectMessage set, then its offset in the producer's arena, which the
+// consumer copies from and then acknowledges.
 struct ShmCommunicator::Ring {
   Ring(void* base, size_t bytes) : base(static_cast<char*>(base)), capacity(bytes - kPage) {}
   ~Ring() { munmap(base, capacity + kPage); }
@@ -167,6 +251,8 @@ struct ShmCommunicator::Ring {
   // Set by the consumer when a message's length differs from what it expected: the producer
   // then fails too, instead of waiting for room that will never come.
   std::atomic_ref<uint32_t> refused() const { return std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(base + 192)); }
+  // Direct-copy messages the consumer has copied; the producer's own count is direct_sent.
+  std::atomic_ref<uint64_t> acked() const { return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(base + 256)); }
   char* data() const { return base + kPage; }
 
   // Copies up to `n` bytes in (producer) or out (consumer); returns how many moved.
@@ -197,6 +283,7 @@ struct ShmCommunicator::Ring {
 
   char* base;
   size_t capacity;
+  uint64_t direct_sent = 0;  // producer side: direct-copy messages announced on this ring
 };
 
 ShmCommunicator::ShmCommunicator(void* base, size_t bytes, int rank, int size, std::string instance)
@@ -208,7 +295,8 @@ ShmCommunicator::~ShmCommunicator() {
   munmap(base_, bytes_);
 }
 
-std::unique_ptr<Communicator> connect_shared_memory(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size) {
+std::unique_ptr<Communicator> connect_shared_memory(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                                    bool p2p, std::chrono::milliseconds timeout) {
   const std::string prefix = session_prefix();
   if (prefix.empty()) return nullptr;
   std::string name;
@@ -232,13 +320,48 @@ std::unique_ptr<Communicator> connect_shared_memory(const c10::intrusive_ptr<c10
   if (store->add("mirage/mapped", 1) == size) shm_unlink(name.c_str());  // every rank has it now
   TORCH_CHECK_WITH(DistBackendError, base, "emulated NCCL: could not map the communicator's shared memory ", name,
                    " (is /dev/shm full? `df -h /dev/shm`)");
-  return std::make_unique<ShmCommunicator>(base, segment_bytes(size), rank, size, name.substr(name.rfind('-') + 1));
+  auto comm = std::make_unique<ShmCommunicator>(base, segment_bytes(size), rank, size, name.substr(name.rfind('-') + 1));
+  comm->probe_peer_memory(p2p, Timing{Clock::now() + timeout, timeout, "connecting the communicator"});
+  return comm;
+}
+
+void ShmCommunicator::probe_peer_memory(bool allowed, const Timing& timing) {
+  own_ = allowed ? own_arena() : MirageSharedArena{};
+  Peer* me = peer(rank_);
+  me->arena = own_;
+  barrier(timing);
+  bool can_map = own_.capacity > 0;
+  std::vector<std::shared_ptr<PeerArena>> mapped(static_cast<size_t>(size_));
+  for (int r = 0; r < size_ && can_map; ++r) {
+    if (r == rank_) continue;
+    mapped[r] = peer(r)->arena.capacity > 0 ? map_peer_arena(peer(r)->arena) : nullptr;
+    can_map = mapped[r] != nullptr;
+  }
+  me->can_map = can_map;
+  barrier(timing);
+  bool everyone = true;
+  for (int r = 0; r < size_; ++r) everyone = everyone && peer(r)->can_map;
+  if (everyone) peer_memory_ = std::move(mapped);
+  direct_ = everyone;
+}
+
+uint64_t ShmCommunicator::shared_offset(const void* data) const {
+  const auto at = reinterpret_cast<uint64_t>(data);
+  return direct_ && at >= own_.base && at < own_.base + own_.capacity ? at - own_.base : kNotShared;
+}
+
+char* ShmCommunicator::peer_bytes(int r, uint64_t offset) const {
+  return (r == rank_ ? reinterpret_cast<char*>(own_.base) : peer_memory_[r]->base) + offset;
 }
 
 uint32_t* ShmCommunicator::arrived() const { return reinterpret_cast<uint32_t*>(base_); }
 uint32_t* ShmCommunicator::generation() const { return reinterpret_cast<uint32_t*>(base_ + 64); }
 uint64_t* ShmCommunicator::entered(int r) const { return reinterpret_cast<uint64_t*>(base_ + 128) + r; }
 uint32_t* ShmCommunicator::doorbell(int r) const { return reinterpret_cast<uint32_t*>(base_ + doorbells_offset(size_) + 64 * r); }
+Peer* ShmCommunicator::peer(int r) const { return reinterpret_cast<Peer*>(base_ + peers_offset(size_)) + r; }
+uint64_t* ShmCommunicator::where(int buffer, int r) const {
+  return reinterpret_cast<uint64_t*>(base_ + where_offset(size_) + 64 * (static_cast<size_t>(buffer) * size_ + r));
+}
 Call* ShmCommunicator::call(int buffer, int r) const {
   return reinterpret_cast<Call*>(base_ + calls_offset(size_)) + static_cast<size_t>(buffer) * size_ + r;
 }
@@ -369,11 +492,30 @@ void ShmCommunicator::broadcast(char* data, int64_t numel, at::ScalarType dtype,
   const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
   // Only the root writes: a chunk fills the whole buffer (every rank's slot), one barrier per N slots.
   const int64_t chunk = static_cast<int64_t>(kSlotBytes) * size_ / item;
+  const size_t bytes = static_cast<size_t>(numel * item);
+  // Each rank says where its tensor is; a root whose tensor is shared leaves its slot empty.
+  const uint64_t mine = bytes >= kDirectMinBytes ? shared_offset(data) : kNotShared;
   for (int64_t offset = 0; offset == 0 || offset < numel; offset += chunk) {
     const int64_t n = std::min(chunk, numel - offset);
     const int buffer = next_buffer();
-    if (rank_ == root) std::memcpy(slot(buffer, 0), data + offset * item, static_cast<size_t>(n * item));
+    if (offset == 0) *where(buffer, rank_) = mine;
+    if (rank_ == root && mine == kNotShared) std::memcpy(slot(buffer, 0), data + offset * item, static_cast<size_t>(n * item));
     exchange(buffer, asked, offset == 0, timing);
+    if (offset == 0 && *where(buffer, root) != kNotShared) {
+      // Every rank copies straight from the root's tensor, except the last `share` bytes of
+      // each shared destination, which the root writes itself: n ranks, n copiers.
+      const size_t share = bytes / static_cast<size_t>(size_) / 64 * 64;
+      if (rank_ == root) {
+        for (int r = 0; r < size_; ++r) {
+          const uint64_t to = *where(buffer, r);
+          if (r != root && to != kNotShared) std::memcpy(peer_bytes(r, to) + bytes - share, data + bytes - share, share);
+        }
+      } else {
+        std::memcpy(data, peer_bytes(root, *where(buffer, root)), mine != kNotShared ? bytes - share : bytes);
+      }
+      barrier(timing);  // the root's tensor and every destination stay put until all copies are done
+      return;
+    }
     if (rank_ != root) std::memcpy(data + offset * item, slot(buffer, 0), static_cast<size_t>(n * item));
   }
 }
@@ -401,6 +543,36 @@ ShmCommunicator::Ring& ShmCommunicator::ring(int src, int dst, int channel) {
   return *entry;
 }
 
+// The producer announces where its bytes are and is done once the consumer acknowledges; the
+// consumer, given the offset, copies the whole message at once.
+size_t ShmCommunicator::step_direct(Transfer& t, Ring& r) {
+  char* source = reinterpret_cast<char*>(&t.source);
+  size_t moved = 0;
+  if (t.send) {
+    if (t.source_done < sizeof(t.source)) {
+      moved = r.push(source + t.source_done, sizeof(t.source) - t.source_done);
+      t.source_done += moved;
+      if (t.source_done == sizeof(t.source)) ++r.direct_sent;
+    }
+    if (t.source_done == sizeof(t.source) && r.acked().load(std::memory_order_acquire) == r.direct_sent) {
+      t.done = t.bytes;
+      moved += t.bytes;
+    }
+    return moved;
+  }
+  if (t.source_done < sizeof(t.source)) {
+    moved = r.pop(source + t.source_done, sizeof(t.source) - t.source_done);
+    t.source_done += moved;
+  }
+  if (t.source_done == sizeof(t.source)) {
+    std::memcpy(t.data, peer_bytes(t.peer, t.source), t.bytes);
+    t.done = t.bytes;
+    moved += t.bytes;
+    r.acked().fetch_add(1, std::memory_order_release);
+  }
+  return moved;
+}
+
 void ShmCommunicator::transfer(std::vector<Transfer>& transfers, int channel, const std::string& what,
                             const std::function<void(std::vector<Transfer>&)>& poll,
                             const std::function<void(size_t)>& finished) {
@@ -426,11 +598,15 @@ void ShmCommunicator::transfer(std::vector<Transfer>& transfers, int channel, co
       if (t.header_done < sizeof(t.header)) {
         char* header = reinterpret_cast<char*>(&t.header);
         if (t.send) {
-          t.header = t.bytes;
+          if (t.header_done == 0) {
+            t.source = t.bytes >= kDirectMinBytes ? shared_offset(t.data) : kNotShared;
+            t.header = t.bytes | (t.source != kNotShared ? kDirectMessage : 0);
+          }
           n = r.push(header + t.header_done, sizeof(t.header) - t.header_done);
         } else if (r.readable() >= sizeof(t.header)) {
           n = r.pop(header, sizeof(t.header));
-          if (t.header != t.bytes) {
+          if ((t.header & ~kDirectMessage) != t.bytes) {
+            t.header &= ~kDirectMessage;
             r.refused().store(1, std::memory_order_release);
             ring_bell(t.peer);
             fail_size(t, what);
@@ -439,9 +615,13 @@ void ShmCommunicator::transfer(std::vector<Transfer>& transfers, int channel, co
         t.header_done += n;
       }
       if (t.header_done == sizeof(t.header) && t.done < t.bytes) {
-        size_t m = t.send ? r.push(t.data + t.done, t.bytes - t.done) : r.pop(t.data + t.done, t.bytes - t.done);
-        t.done += m;
-        n += m;
+        if (t.header & kDirectMessage) {
+          n += step_direct(t, r);
+        } else {
+          size_t m = t.send ? r.push(t.data + t.done, t.bytes - t.done) : r.pop(t.data + t.done, t.bytes - t.done);
+          t.done += m;
+          n += m;
+        }
       }
       if (n) {
         moved = true;

@@ -19,6 +19,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -73,6 +74,7 @@ class SocketCommunicator final : public Communicator {
   SocketCommunicator(int rank, int size, std::string instance, std::vector<int> fds)
       : Communicator(rank, size, std::move(instance)), fds_(std::move(fds)) {}
   ~SocketCommunicator() override {
+    if (interrupt_ >= 0) close(interrupt_);
     for (int fd : fds_) {
       if (fd >= 0) close(fd);
     }
@@ -83,6 +85,10 @@ class SocketCommunicator final : public Communicator {
     }
   }
   const char* transport() const override { return "sockets"; }
+  void interrupt_transfer() override {
+    const uint64_t one = 1;
+    if (interrupt_ >= 0) (void)!::write(interrupt_, &one, sizeof(one));
+  }
 
   void agree(const Call& asked, const Timing& timing) override {
     std::vector<Call> calls(static_cast<size_t>(size_));
@@ -234,9 +240,12 @@ class SocketCommunicator final : public Communicator {
           }
         }
       }
-      // At most 200 ms, so new work (poll_more) is taken even if no socket stirs.
+      // New work (poll_more) wakes the wait through interrupt_; at most 200 ms in any case.
+      if (poll_more && interrupt_ >= 0) waits.push_back(pollfd{interrupt_, POLLIN, 0});
       const auto wait = std::min<Clock::duration>(deadline - now, std::chrono::milliseconds(200));
       ::poll(waits.data(), waits.size(), static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(wait).count()) + 1);
+      uint64_t interruptions;
+      if (poll_more && interrupt_ >= 0) (void)!::read(interrupt_, &interruptions, sizeof(interruptions));
     }
   }
 
@@ -310,6 +319,7 @@ class SocketCommunicator final : public Communicator {
 
   std::vector<int> fds_;
   int self_[kChannels][2] = {{-1, -1}, {-1, -1}};
+  int interrupt_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);  // see interrupt_transfer
 
   friend std::unique_ptr<Communicator> connect_sockets(const c10::intrusive_ptr<c10d::Store>&, int, int,
                                                        std::chrono::milliseconds);

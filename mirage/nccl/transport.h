@@ -70,6 +70,8 @@ struct Transfer {
   size_t done = 0;          // payload bytes moved
   uint64_t header = 0;      // the message's length, sent ahead of it
   size_t header_done = 0;
+  uint64_t source = 0;      // a direct copy (shared memory transport): where the bytes lie in the sender's memory
+  size_t source_done = 0;
   bool finished() const { return header_done == sizeof(header) && done == bytes; }
 };
 
@@ -107,6 +109,9 @@ class Communicator {
   virtual void transfer(std::vector<Transfer>& transfers, int channel, const std::string& what,
                         const std::function<void(std::vector<Transfer>&)>& poll = {},
                         const std::function<void(size_t)>& finished = {}) = 0;
+  // Wakes a transfer() of this process that waits for its peers, so that it takes the work just
+  // queued (`poll`) now: its sends may be what the peers wait for.
+  virtual void interrupt_transfer() = 0;
 
   // Refuses a communicator that failed before (a timeout or a desync).
   void check_usable(const std::string& what) const;
@@ -134,8 +139,10 @@ void scale(at::ScalarType dtype, char* data, int64_t n, const Reduction& reducti
 
 // The transports. Both are collective over the group's store and block until every rank has
 // joined; null when the transport cannot serve this process (shared memory: no mirage session,
-// or /dev/shm too small).
-std::unique_ptr<Communicator> connect_shared_memory(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size);
+// or /dev/shm too small). With `p2p` (NCCL_P2P_DISABLE unset), shared memory copies large
+// messages straight between the ranks' device memory where every rank can map every peer's.
+std::unique_ptr<Communicator> connect_shared_memory(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                                    bool p2p, std::chrono::milliseconds timeout);
 std::unique_ptr<Communicator> connect_sockets(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                               std::chrono::milliseconds timeout);
 

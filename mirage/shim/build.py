@@ -23,7 +23,8 @@ HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 LIBRARY_NAME = "mirage_shim"
 NCCL_DIR = Path(__file__).parent.parent / "nccl"
 NCCL_SOURCES = sorted(NCCL_DIR.glob("*.cpp"))
-NCCL_HEADERS = sorted(NCCL_DIR.glob("*.h"))
+# The backend reads the shim's shared device memory through this header's C interface.
+NCCL_HEADERS = sorted(NCCL_DIR.glob("*.h")) + [Path(__file__).parent / "shared_device_memory.h"]
 NCCL_MODULE_NAME = "mirage_nccl"
 
 

@@ -1,9 +1,9 @@
 // The caching allocator's bookkeeping (see caching_allocator.h for the rules and what is modelled).
 
 #include "caching_allocator.h"
+#include "shared_device_memory.h"
 
 #include <c10/core/AllocatorConfig.h>
-#include <c10/core/impl/alloc_cpu.h>
 #include <c10/util/Exception.h>
 #include <c10/util/env.h>
 #include <c10/util/llvmMathExtras.h>
@@ -117,9 +117,9 @@ bool DeviceCache::new_segment(BlockPool& pool, size_t size, int64_t stream, bool
   const size_t bytes = segment_size_for(size);
   if (retry) stats_.num_alloc_retries += 1;
   // a private segment's bytes are taken first: a host that cannot back them raises, nothing counted
-  char* host = is_private ? static_cast<char*>(c10::alloc_cpu(bytes)) : nullptr;
+  char* host = is_private ? static_cast<char*>(allocate_device_bytes(bytes)) : nullptr;
   if (!reserve(bytes, reserved_total_)) {
-    if (host) c10::free_cpu(host);
+    if (host) free_device_bytes(host);
     return false;
   }
   if (host) private_segments_[reinterpret_cast<uintptr_t>(host)] = bytes;
@@ -296,7 +296,7 @@ void DeviceCache::release_segment(CachedBlock* block, const Release& release) {
   stats_.num_device_free += 1;
   if (block->host) {
     private_segments_.erase(reinterpret_cast<uintptr_t>(block->host));
-    c10::free_cpu(block->host);
+    free_device_bytes(block->host);
   }
   delete block;
 }

@@ -34,6 +34,7 @@
 #include <torch/library.h>
 
 #include "caching_allocator.h"
+#include "shared_device_memory.h"
 
 #include <fcntl.h>
 #include <pthread.h>
@@ -435,7 +436,7 @@ struct BlockHeader {
 static void free_block(void* base) {
   auto* h = static_cast<BlockHeader*>(base);
   free_device_block(h->device, h->block);
-  c10::free_cpu(base);
+  free_device_bytes(base);
 }
 
 // A private pool's blocks live in their segment's memory (caching_allocator.h), so they have no
@@ -486,7 +487,7 @@ struct DeviceMemoryAllocator final : c10::DeviceAllocator {
     if (block->host) return pool_block_data(dev, block);
     void* base = nullptr;
     try {
-      base = c10::alloc_cpu(n + kHeader);
+      base = allocate_device_bytes(n + kHeader);
     } catch (const c10::Error&) {
       free_device_block(dev, block);
       TORCH_CHECK_WITH(OutOfMemoryError, false, "mirage: the host could not back ", format_size(static_cast<int64_t>(n)),

@@ -265,9 +265,40 @@ def big_isend_irecv_batch_with_self(make, group):
     return recv
 
 
+def peer_memory_broadcast(make, group, heap_rank=None):
+    """1.6 MB: on the shared-memory transport every rank's tensor lies in its shared device
+    memory and each copies straight from the root's (the root writing a share of each copy);
+    `heap_rank`'s tensor is a kernel's result instead, which no peer can map."""
+    t = make(data((400_009,), seed=17))
+    if rank == heap_rank:
+        t = t * 1
+    dist.broadcast(t, src=1, group=group)
+    return t
+
+
+def peer_memory_broadcast_from_heap(make, group):
+    """The root's tensor outside shared device memory: every rank takes the staged path."""
+    return peer_memory_broadcast(make, group, heap_rank=1)
+
+
+def peer_memory_broadcast_to_heap(make, group):
+    """One destination outside shared device memory: the root writes no share of it."""
+    return peer_memory_broadcast(make, group, heap_rank=2)
+
+
+def peer_memory_isend_irecv_both_ways(make, group):
+    """1.2 MB each way between pairs at once, each receiver copying from its sender's memory."""
+    send, recv = make(data((300_007,), seed=18)), make(torch.zeros(300_007))
+    ops = [dist.P2POp(dist.isend, send, rank ^ 1, group=group), dist.P2POp(dist.irecv, recv, rank ^ 1, group=group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return recv
+
+
 for fn in (broadcast, reduce, all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor,
            all_to_all, all_to_all_single_uneven, gather, scatter, send_recv, isend_irecv_batch, big_send_recv,
-           big_all_to_all_single, big_isend_irecv_batch_with_self):
+           big_all_to_all_single, big_isend_irecv_batch_with_self, peer_memory_broadcast,
+           peer_memory_broadcast_from_heap, peer_memory_broadcast_to_heap, peer_memory_isend_irecv_both_ways):
     both(fn.__name__, fn)
 
 # Work objects of async operations, as ProcessGroupNCCL's.
