@@ -31,9 +31,18 @@ constexpr size_t kReturnPagesBytes = size_t{32} << 20;
 class Arena {
  public:
   // The process's arena, or null where memfd or the mapping is refused (then the heap serves).
+  // A forked child inherits its parent's arena, mapped shared: it must neither carve it (its
+  // blocks would be the parent's) nor free in it (a punched hole would zero the parent's
+  // tensors), so there it is null too, as CUDA is unusable in a child forked after it started.
   static Arena* get() {
-    static Arena* arena = create();
-    return arena;
+    Arena* arena = instance();
+    return arena && arena->owner_ == getpid() ? arena : nullptr;
+  }
+
+  // Whether `p` lies in an arena this (forked) process inherited from its parent.
+  static bool inherited(const void* p) {
+    Arena* arena = instance();
+    return arena && arena->owner_ != getpid() && arena->owns(p);
   }
 
   bool owns(const void* p) const {
@@ -94,11 +103,17 @@ class Arena {
   }
 
   MirageSharedArena describe() const {
-    return {static_cast<int64_t>(getpid()), fd_, 0, id_, reinterpret_cast<uint64_t>(base_), capacity_};
+    return {static_cast<int64_t>(owner_), fd_, 0, id_, reinterpret_cast<uint64_t>(base_), capacity_};
   }
 
  private:
-  Arena(int fd, char* base, size_t capacity, uint64_t id) : fd_(fd), base_(base), capacity_(capacity), id_(id) {}
+  static Arena* instance() {
+    static Arena* arena = create();
+    return arena;
+  }
+
+  Arena(int fd, char* base, size_t capacity, uint64_t id)
+      : owner_(getpid()), fd_(fd), base_(base), capacity_(capacity), id_(id) {}
 
   static Arena* create() {
     const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
@@ -133,6 +148,7 @@ class Arena {
     free_by_offset_.erase(it);
   }
 
+  const pid_t owner_;
   const int fd_;
   char* const base_;
   const size_t capacity_;
@@ -156,12 +172,11 @@ void* allocate_device_bytes(size_t bytes) {
 }
 
 void free_device_bytes(void* p) {
-  Arena* arena = Arena::get();
-  if (arena && arena->owns(p)) {
+  if (Arena* arena = Arena::get(); arena && arena->owns(p)) {
     arena->free(p);
-  } else {
+  } else if (!Arena::inherited(p)) {
     c10::free_cpu(p);
-  }
+  }  // else: the parent's memory, which a forked child leaves alone
 }
 
 }  // namespace mirage

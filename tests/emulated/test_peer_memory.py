@@ -75,3 +75,21 @@ def test_a_kernel_result_stays_heap_memory():
     arena = shared_arena()
     source = torch.ones(MiB, device=DEVICE)
     assert in_arena(source, arena) and not in_arena(source * 2, arena)
+
+
+def test_a_forked_child_leaves_its_parents_device_memory_alone():
+    """The child inherits the arena mapped shared; freeing its copy of a tensor there must not
+    give the parent's pages back (they would read as zeros), nor may it carve the arena."""
+    block = torch.full((64 * MiB // 4,), 3.0, device=DEVICE)
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            del block  # the child's reference: its deleter runs here, in the child
+            fresh = torch.empty(2 * MiB, dtype=torch.uint8, device=DEVICE)
+            code = 3 if in_arena(fresh, shared_arena()) or shared_arena().capacity else 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert block[0].item() == 3.0 and block[-1].item() == 3.0
