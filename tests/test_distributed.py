@@ -29,7 +29,8 @@ def test_every_collective_on_device_tensors_equals_gloo_on_cpu(transport):
                  "isend_irecv_batch", "new_subgroups all_reduce", "reduce_scatter_tensor", "barrier",
                  "big_send_recv", "big_all_to_all_single", "big_isend_irecv_batch_with_self",
                  "peer_memory_broadcast", "peer_memory_broadcast_from_heap", "peer_memory_broadcast_to_heap",
-                 "peer_memory_isend_irecv_both_ways"):
+                 "peer_memory_isend_irecv_both_ways", "peer_memory_all_reduce PRODUCT torch.int64",
+                 "peer_memory_all_reduce AVG", "peer_memory_all_reduce PREMUL_SUM", "peer_memory_reduce"):
         assert f"[0] ok {name}" in result.stdout
 
 

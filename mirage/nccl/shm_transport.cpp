@@ -224,6 +224,11 @@ class ShmCommunicator final : public Communicator {
   void exchange(int buffer, const Call& asked, bool first_chunk, const Timing& timing);
   void reduce_chunks(char* data, int64_t numel, at::ScalarType dtype, const Reduction& reduction, int root,
                      const Call& asked, const Timing& timing);
+  // The same, straight from every rank's tensor, all of them in shared device memory (their
+  // offsets in where(buffer, r)).
+  void reduce_direct(char* data, int64_t numel, at::ScalarType dtype, const Reduction& reduction, int root,
+                     int buffer, const Timing& timing);
+  bool all_shared(int buffer) const;
   void ring_bell(int r);
   Ring& ring(int src, int dst, int channel);
 
@@ -426,13 +431,19 @@ void ShmCommunicator::reduce_chunks(char* data, int64_t numel, at::ScalarType dt
   const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t chunk = static_cast<int64_t>(kSlotBytes) / item;
   const bool wants_result = root < 0 || root == rank_;
+  const bool large = static_cast<size_t>(numel * item) >= kDirectMinBytes && reduction.op != Op::PREMUL_SUM;
   for (int64_t offset = 0; offset == 0 || offset < numel; offset += chunk) {
     const int64_t n = std::min(chunk, numel - offset);
     char* mine = data + offset * item;
     const int buffer = next_buffer();
+    if (offset == 0) *where(buffer, rank_) = large ? shared_offset(data) : kNotShared;
     std::memcpy(slot(buffer, rank_), mine, static_cast<size_t>(n * item));
     if (reduction.op == Op::PREMUL_SUM) scale(dtype, slot(buffer, rank_), n, reduction, 0);
     exchange(buffer, asked, offset == 0, timing);
+    if (offset == 0 && all_shared(buffer)) {
+      reduce_direct(data, numel, dtype, reduction, root, buffer, timing);
+      return;
+    }
     if (static_cast<size_t>(n * item) <= kSmallChunkBytes) {
       if (!wants_result) continue;
       std::memcpy(mine, slot(buffer, 0), static_cast<size_t>(n * item));
@@ -448,6 +459,45 @@ void ShmCommunicator::reduce_chunks(char* data, int64_t numel, at::ScalarType dt
     barrier(timing);
     if (wants_result) std::memcpy(mine, slot(buffer, 0), static_cast<size_t>(n * item));
   }
+}
+
+bool ShmCommunicator::all_shared(int buffer) const {
+  for (int r = 0; r < size_; ++r) {
+    if (*where(buffer, r) == kNotShared) return false;
+  }
+  return true;
+}
+
+// Rank r reduces elements [numel r / N, numel (r+1) / N) of every rank's tensor, in rank order,
+// and writes them where the result goes: its own tensor (all_reduce: no other rank reads that
+// part of it) or the root's (reduce). Its slot, which no rank reads on this path, holds each
+// piece while it is reduced, since this rank's own part is an input too. An all_reduce then
+// copies the other parts from their owners. Two barriers in all, against two per 128 KiB chunk
+// on the staged path; each byte read once from where it lies, and no copy in or out of a slot.
+void ShmCommunicator::reduce_direct(char* data, int64_t numel, at::ScalarType dtype, const Reduction& reduction,
+                                    int root, int buffer, const Timing& timing) {
+  const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t step = static_cast<int64_t>(kSlotBytes) / item;
+  std::vector<const char*> inputs(static_cast<size_t>(size_));
+  for (int r = 0; r < size_; ++r) inputs[r] = peer_bytes(r, *where(buffer, r));
+  char* target = root < 0 ? data : peer_bytes(root, *where(buffer, root));
+  char* scratch = slot(buffer, rank_);
+  const auto part = [&](int r) { return numel * r / size_; };
+  for (int64_t at = part(rank_); at < part(rank_ + 1); at += step) {
+    const int64_t n = std::min(step, part(rank_ + 1) - at);
+    const size_t offset = static_cast<size_t>(at * item), bytes = static_cast<size_t>(n * item);
+    std::memcpy(scratch, inputs[0] + offset, bytes);
+    for (int r = 1; r < size_; ++r) accumulate(dtype, scratch, inputs[r] + offset, n, reduction.op);
+    if (reduction.op == Op::AVG) scale(dtype, scratch, n, reduction, size_);
+    std::memcpy(target + offset, scratch, bytes);
+  }
+  barrier(timing);  // every part reduced, every input read
+  if (root >= 0) return;
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    std::memcpy(data + part(r) * item, inputs[r] + part(r) * item, static_cast<size_t>((part(r + 1) - part(r)) * item));
+  }
+  barrier(timing);  // no rank's tensor changes before every copy of its part is done
 }
 
 void ShmCommunicator::all_gather(const std::vector<char*>& outs, const char* in, int64_t numel, at::ScalarType dtype,

@@ -76,6 +76,29 @@ for dtype, ops in ((torch.float32, ("SUM", "PRODUCT", "MIN", "MAX")), (torch.bfl
             dist.all_reduce(t, op=op, group=group)
             return t
         both(f"all_reduce {op_name} {dtype} x 100003", big_all_reduce)
+# From 1 MiB every rank's tensor lies in shared device memory, and each rank reduces its part
+# straight from every peer's tensor (shared-memory transport): both families of reductions, a
+# length no rank count divides, AVG and PREMUL_SUM (which takes the staged path), and reduce,
+# which must leave the other ranks' tensors as they were.
+for dtype, op_name in ((torch.float32, "SUM"), (torch.float64, "MIN"), (torch.int32, "MAX"),
+                       (torch.int64, "PRODUCT")):
+    def peer_memory_all_reduce(make, group, dtype=dtype, op=getattr(dist.ReduceOp, op_name)):
+        t = make(data((300_007,), dtype=dtype, seed=19))
+        dist.all_reduce(t, op=op, group=group)
+        return t
+    both(f"peer_memory_all_reduce {op_name} {dtype}", peer_memory_all_reduce)
+s = data((300_007,), seed=20)
+dist.all_reduce(s, group=cpu_group)
+for name, op, expected in (("AVG", dist.ReduceOp.AVG, s / world),
+                           ("PREMUL_SUM", dist._make_nccl_premul_sum(0.5), s * 0.5)):
+    t = data((300_007,), seed=20).to(dev)
+    dist.all_reduce(t, op=op)
+    same(f"peer_memory_all_reduce {name}", t, expected)
+t = data((300_007,), seed=21).to(dev)
+dist.reduce(t, dst=2)
+s = data((300_007,), seed=21)
+dist.reduce(s, dst=2, group=cpu_group)
+same("peer_memory_reduce", t, s if rank == 2 else data((300_007,), seed=21))
 # NCCL has no bitwise reductions: ProcessGroupNCCL refuses them, and so does the emulation.
 for op_name in ("BAND", "BOR", "BXOR"):
     try:
