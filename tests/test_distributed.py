@@ -335,20 +335,38 @@ def test_nccl_surface_library_code_meets():
     assert "[0] surface_ok" in result.stdout
 
 
-@pytest.mark.parametrize("numel", [10, 1_000_000], ids=["small", "larger-than-the-ring"])
-def test_a_send_and_receive_of_different_sizes_fail_on_both_sides(tmp_path, numel):
-    """NCCL itself does not check (it hangs or truncates); the emulated one names both sizes."""
-    script = tmp_path / "sizes.py"
+def refusals_on_two_gpus(tmp_path, attempt: str) -> subprocess.CompletedProcess:
+    """Runs `attempt` (code with `rank`, `torch` and `dist` at hand) on 2 ranks over nccl; a
+    DistBackendError it raises is printed as `refused: <message>`."""
+    script = tmp_path / "attempt.py"
     script.write_text(
         "import torch, torch.distributed as dist\n"
         "dist.init_process_group('nccl'); rank = dist.get_rank(); torch.cuda.set_device(rank)\n"
-        "try:\n"
-        f"    if rank == 0:\n        dist.send(torch.ones({numel}, device='cuda'), 1); print('sender done')\n"
-        f"    else:\n        dist.recv(torch.zeros({numel} + 1, device='cuda'), 0)\n"
+        "try:\n" + "".join(f"    {line}\n" for line in attempt.splitlines()) +
         "except dist.DistBackendError as error:\n    print('refused:', error)\n"
         "dist.destroy_process_group()\n")
     result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", str(script), timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_all_to_all_splits_that_disagree_fail_on_every_rank(tmp_path):
+    """Rank 0 sends rank 1 three rows where rank 1 expects two: NCCL would corrupt or hang; every
+    rank names the pair and both sizes before any data moves."""
+    result = refusals_on_two_gpus(tmp_path, (
+        "dist.all_to_all_single(torch.zeros(4, 1000, device='cuda'), torch.ones(4, 1000, device='cuda'),\n"
+        "                       output_split_sizes=[2, 2], input_split_sizes=[1, 3] if rank == 0 else [2, 2])"))
+    for rank in (0, 1):
+        assert (f"[{rank}] refused: " in result.stdout and "group rank 0 sends 12000 bytes to group rank 1, which "
+                "expects 8000 bytes" in result.stdout), result.stdout
+
+
+@pytest.mark.parametrize("numel", [10, 1_000_000], ids=["small", "larger-than-the-ring"])
+def test_a_send_and_receive_of_different_sizes_fail_on_both_sides(tmp_path, numel):
+    """NCCL itself does not check (it hangs or truncates); the emulated one names both sizes."""
+    result = refusals_on_two_gpus(tmp_path, (
+        f"if rank == 0:\n    dist.send(torch.ones({numel}, device='cuda'), 1); print('sender done')\n"
+        f"else:\n    dist.recv(torch.zeros({numel} + 1, device='cuda'), 0)"))
     assert (f"a receive of {4 * (numel + 1)} bytes from group rank 0 matched a send of {4 * numel} bytes"
             in result.stdout)
     # A small message fits the ring and is done before the receiver looks; a larger one waits

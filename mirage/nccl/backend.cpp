@@ -1044,25 +1044,10 @@ class ProcessGroupNCCL final : public c10d::Backend {
     comm_->reduce_scatter(data(o), data(r), o.numel(), o.scalar_type(), reduction, timing_);
   }
 
-  // gather, scatter, all_to_all: the calls agreed, then pair rings carry the pieces
-  // (send[r] goes to rank r, recv[r] comes from it; this rank's own piece is copied).
+  // gather, scatter, all_to_all: send[r] goes to rank r, recv[r] comes from it.
   void exchange_pieces(Kind kind, int root, at::ScalarType dtype, const std::vector<std::pair<char*, size_t>>& send,
                        const std::vector<std::pair<char*, size_t>>& recv) {
-    comm_->agree(Call{kind, static_cast<int32_t>(dtype), root, 0, -1}, timing_);
-    std::vector<Transfer> transfers;
-    for (int r = 0; r < size_; ++r) {
-      if (r == rank_) {
-        if (send[r].first && recv[r].first) {
-          TORCH_CHECK_VALUE(send[r].second == recv[r].second, "the piece this rank sends itself (", send[r].second,
-                            " bytes) differs from the piece it receives (", recv[r].second, " bytes)");
-          std::memmove(recv[r].first, send[r].first, send[r].second);
-        }
-        continue;
-      }
-      if (send[r].first) transfers.push_back(Transfer{true, r, send[r].first, send[r].second, timing_.deadline, timing_.timeout});
-      if (recv[r].first) transfers.push_back(Transfer{false, r, recv[r].first, recv[r].second, timing_.deadline, timing_.timeout});
-    }
-    comm_->transfer(transfers, 1, timing_.what);
+    comm_->exchange_pieces(Call{kind, static_cast<int32_t>(dtype), root, 0, -1}, send, recv, timing_);
   }
 
   // NCCL refuses a communicator with two ranks on one GPU at its first collective; so do we.

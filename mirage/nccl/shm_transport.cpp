@@ -81,6 +81,14 @@ struct alignas(64) Peer {
   uint32_t can_map;
 };
 
+// exchange_pieces' table, per source and destination: where the source's piece lies (an offset
+// in its arena, or kNotShared: the rings carry it), its size, and the size the destination expects.
+struct PieceAt {
+  uint64_t offset;
+  uint64_t bytes;
+  uint64_t expected;
+};
+
 // A peer's arena as mapped in this process, shared by every communicator that reaches the peer
 // and unmapped with the last one (a dead peer's memory is freed once nobody maps it).
 struct PeerArena {
@@ -172,7 +180,10 @@ size_t calls_offset(int size) { return 128 + 8 * static_cast<size_t>(size); }
 size_t doorbells_offset(int size) { return calls_offset(size) + 2 * sizeof(Call) * static_cast<size_t>(size); }
 size_t peers_offset(int size) { return (doorbells_offset(size) + 64 * static_cast<size_t>(size) + 63) / 64 * 64; }
 size_t where_offset(int size) { return peers_offset(size) + sizeof(Peer) * static_cast<size_t>(size); }
-size_t data_offset(int size) { return (where_offset(size) + 2 * 64 * static_cast<size_t>(size) + kPage - 1) / kPage * kPage; }
+size_t pieces_offset(int size) { return where_offset(size) + 2 * 64 * static_cast<size_t>(size); }
+size_t data_offset(int size) {
+  return (pieces_offset(size) + 2 * sizeof(PieceAt) * static_cast<size_t>(size) * size + kPage - 1) / kPage * kPage;
+}
 size_t segment_bytes(int size) { return data_offset(size) + 2 * static_cast<size_t>(size) * kSlotBytes; }
 
 }  // namespace
@@ -201,6 +212,8 @@ class ShmCommunicator final : public Communicator {
                 const std::function<void(std::vector<Transfer>&)>& poll,
                 const std::function<void(size_t)>& finished) override;
   void interrupt_transfer() override { ring_bell(rank_); }
+  void exchange_pieces(const Call& asked, const std::vector<Piece>& send, const std::vector<Piece>& recv,
+                       const Timing& timing) override;
 
  private:
   struct Ring;
@@ -212,6 +225,8 @@ class ShmCommunicator final : public Communicator {
   Peer* peer(int r) const;
   // A broadcast's tensor, per rank: its offset in that rank's arena, or kNotShared.
   uint64_t* where(int buffer, int r) const;
+  // exchange_pieces' entry for the piece rank `src` sends rank `dst`.
+  PieceAt* piece(int buffer, int src, int dst) const;
   // Where `data` lies in this process's arena, or kNotShared (also without direct copies).
   uint64_t shared_offset(const void* data) const;
   // The bytes at `offset` in rank r's arena, as mapped here.
@@ -366,6 +381,9 @@ uint32_t* ShmCommunicator::doorbell(int r) const { return reinterpret_cast<uint3
 Peer* ShmCommunicator::peer(int r) const { return reinterpret_cast<Peer*>(base_ + peers_offset(size_)) + r; }
 uint64_t* ShmCommunicator::where(int buffer, int r) const {
   return reinterpret_cast<uint64_t*>(base_ + where_offset(size_) + 64 * (static_cast<size_t>(buffer) * size_ + r));
+}
+PieceAt* ShmCommunicator::piece(int buffer, int src, int dst) const {
+  return reinterpret_cast<PieceAt*>(base_ + pieces_offset(size_)) + (static_cast<size_t>(buffer) * size_ + src) * size_ + dst;
 }
 Call* ShmCommunicator::call(int buffer, int r) const {
   return reinterpret_cast<Call*>(base_ + calls_offset(size_)) + static_cast<size_t>(buffer) * size_ + r;
@@ -571,6 +589,56 @@ void ShmCommunicator::broadcast(char* data, int64_t numel, at::ScalarType dtype,
 }
 
 void ShmCommunicator::agree(const Call& asked, const Timing& timing) { exchange(next_buffer(), asked, true, timing); }
+
+// With direct copies, every rank lists its pieces when the calls are compared: each receiver
+// copies the pieces that lie in their sender's shared memory straight from there (no
+// handshake per piece: the barrier that ends the call keeps the senders' tensors still until
+// then), and the others go through the rings. Every rank sees every pair's sizes, so a piece
+// sent with a size its receiver does not expect fails on every rank before anything moves.
+void ShmCommunicator::exchange_pieces(const Call& asked, const std::vector<Piece>& send, const std::vector<Piece>& recv,
+                                      const Timing& timing) {
+  if (!direct_) return Communicator::exchange_pieces(asked, send, recv, timing);
+  const int buffer = next_buffer();
+  for (int r = 0; r < size_; ++r) {
+    // Fields, not whole entries: the receiver writes `expected` of the same entry meanwhile.
+    piece(buffer, rank_, r)->offset = send[r].first ? shared_offset(send[r].first) : kNotShared;
+    piece(buffer, rank_, r)->bytes = send[r].first ? send[r].second : 0;
+    piece(buffer, r, rank_)->expected = recv[r].first ? recv[r].second : 0;
+  }
+  exchange(buffer, asked, true, timing);
+  bool any_direct = false;
+  for (int src = 0; src < size_; ++src) {
+    for (int dst = 0; dst < size_; ++dst) {
+      const PieceAt& p = *piece(buffer, src, dst);
+      if (src == dst || p.bytes == p.expected) {
+        any_direct = any_direct || (src != dst && p.bytes && p.offset != kNotShared);
+        continue;
+      }
+      unusable_ = true;
+      TORCH_CHECK_WITH(DistBackendError, false, timing.what, ": group rank ", src, " sends ", p.bytes,
+                       " bytes to group rank ", dst, ", which expects ", p.expected,
+                       " bytes (a send and its recv must have the same size, as with NCCL)");
+    }
+  }
+  std::vector<Transfer> transfers;
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) {
+      copy_own_piece(send[r], recv[r]);
+      continue;
+    }
+    if (send[r].first && send[r].second && piece(buffer, rank_, r)->offset == kNotShared) {
+      transfers.push_back(Transfer{true, r, send[r].first, send[r].second, timing.deadline, timing.timeout});
+    }
+    if (!recv[r].first || !recv[r].second) continue;
+    if (const uint64_t from = piece(buffer, r, rank_)->offset; from != kNotShared) {
+      std::memcpy(recv[r].first, peer_bytes(r, from), recv[r].second);
+    } else {
+      transfers.push_back(Transfer{false, r, recv[r].first, recv[r].second, timing.deadline, timing.timeout});
+    }
+  }
+  transfer(transfers, 1, timing.what, {}, {});
+  if (any_direct) barrier(timing);  // no sender's tensor changes before its pieces are copied
+}
 
 void ShmCommunicator::ring_bell(int r) {
   std::atomic_ref<uint32_t>(*doorbell(r)).fetch_add(1, std::memory_order_acq_rel);

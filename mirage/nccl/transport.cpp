@@ -5,6 +5,7 @@
 #include <ATen/Dispatch.h>
 #include <c10/util/Exception.h>
 
+#include <cstring>
 #include <sstream>
 #include <type_traits>
 
@@ -106,6 +107,28 @@ void scale(at::ScalarType dtype, char* data, int64_t n, const Reduction& reducti
                                                   : static_cast<scalar_t>(reduction.factor);
     for (int64_t i = 0; i < n; ++i) d[i] = d[i] * factor;
   });
+}
+
+void Communicator::exchange_pieces(const Call& asked, const std::vector<Piece>& send, const std::vector<Piece>& recv,
+                                   const Timing& timing) {
+  agree(asked, timing);
+  std::vector<Transfer> transfers;
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) {
+      copy_own_piece(send[r], recv[r]);
+      continue;
+    }
+    if (send[r].first) transfers.push_back(Transfer{true, r, send[r].first, send[r].second, timing.deadline, timing.timeout});
+    if (recv[r].first) transfers.push_back(Transfer{false, r, recv[r].first, recv[r].second, timing.deadline, timing.timeout});
+  }
+  transfer(transfers, 1, timing.what);
+}
+
+void Communicator::copy_own_piece(const Piece& send, const Piece& recv) {
+  if (!send.first || !recv.first) return;
+  TORCH_CHECK_VALUE(send.second == recv.second, "the piece this rank sends itself (", send.second,
+                    " bytes) differs from the piece it receives (", recv.second, " bytes)");
+  std::memmove(recv.first, send.first, send.second);
 }
 
 void Communicator::check_usable(const std::string& what) const {

@@ -21,6 +21,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace mirage::nccl {
@@ -109,6 +110,12 @@ class Communicator {
   virtual void transfer(std::vector<Transfer>& transfers, int channel, const std::string& what,
                         const std::function<void(std::vector<Transfer>&)>& poll = {},
                         const std::function<void(size_t)>& finished = {}) = 0;
+  // gather, scatter, all_to_all: the calls agreed (`asked`), then send[r] goes to rank r and
+  // recv[r] comes from it (a null piece is none; this rank's own piece is copied). By default
+  // the pieces travel as transfers on channel 1.
+  using Piece = std::pair<char*, size_t>;
+  virtual void exchange_pieces(const Call& asked, const std::vector<Piece>& send, const std::vector<Piece>& recv,
+                               const Timing& timing);
   // Wakes a transfer() of this process that waits for its peers, so that it takes the work just
   // queued (`poll`) now: its sends may be what the peers wait for.
   virtual void interrupt_transfer() = 0;
@@ -124,6 +131,8 @@ class Communicator {
   // A receive whose matching send had another size (the header of `t` says what was sent), or
   // on the sending side, a send the receiver refused for that reason.
   [[noreturn]] void fail_size(const Transfer& t, const std::string& what);
+  // exchange_pieces' copy of what a rank sends itself (sizes checked).
+  static void copy_own_piece(const Piece& send, const Piece& recv);
 
   std::string instance_;
   int rank_, size_;
