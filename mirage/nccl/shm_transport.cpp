@@ -18,13 +18,15 @@
 // sides rather than mixing messages. A rank blocked on its rings sleeps on its own doorbell word
 // in the group segment, which peers ring whenever they fill or drain one of its rings.
 //
-// Large messages and broadcasts skip the staging (NCCL's P2P transport, which NCCL_P2P_DISABLE=1
-// turns off): a device tensor from 1 MiB lives in its process's shared arena (the shim's
-// shared_device_memory.h), which every peer maps at connect, so the receiver copies it once,
+// Large tensors skip the staging (NCCL's P2P transport, which NCCL_P2P_DISABLE=1 turns off): a
+// device tensor from 1 MiB lives in its process's shared arena (the shim's
+// shared_device_memory.h), which every peer maps at connect. A message's receiver copies it once,
 // straight from the sender's tensor, and the sender's work ends when the receiver says it has
-// the bytes. A broadcast root's tensor is read by every rank at once, the root writing a share of
-// each copy itself. Tensors outside the arena (smaller blocks, results of host kernels) take the
-// staged path, which every rank can tell from what the sender announces.
+// the bytes; a broadcast root's tensor is read by every rank at once, the root writing a share of
+// each copy itself; all_reduce and reduce have each rank reduce its part straight from every
+// rank's tensor; gather, scatter and all_to_all list their pieces in one table per call. Tensors
+// outside the arena (smaller blocks, results of host kernels) take the staged path, which every
+// rank can tell from what the others announce.
 //
 // Names: /mirage-<uid>-<session>.collectives-<id>[.p2p-...], so the run's teardown and `mirage
 // cleanup` find segments a rank left behind by dying before every peer mapped them.
@@ -223,7 +225,8 @@ class ShmCommunicator final : public Communicator {
   uint32_t* doorbell(int r) const;
   Call* call(int buffer, int r) const;
   Peer* peer(int r) const;
-  // A broadcast's tensor, per rank: its offset in that rank's arena, or kNotShared.
+  // A broadcast's, all_reduce's or reduce's tensor, per rank: its offset in that rank's arena,
+  // or kNotShared.
   uint64_t* where(int buffer, int r) const;
   // exchange_pieces' entry for the piece rank `src` sends rank `dst`.
   PieceAt* piece(int buffer, int src, int dst) const;
@@ -513,7 +516,8 @@ void ShmCommunicator::reduce_direct(char* data, int64_t numel, at::ScalarType dt
   if (root >= 0) return;
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
-    std::memcpy(data + part(r) * item, inputs[r] + part(r) * item, static_cast<size_t>((part(r + 1) - part(r)) * item));
+    copy_between_ranks(data + part(r) * item, inputs[r] + part(r) * item,
+                       static_cast<size_t>((part(r + 1) - part(r)) * item));
   }
   barrier(timing);  // no rank's tensor changes before every copy of its part is done
 }
@@ -576,10 +580,10 @@ void ShmCommunicator::broadcast(char* data, int64_t numel, at::ScalarType dtype,
       if (rank_ == root) {
         for (int r = 0; r < size_; ++r) {
           const uint64_t to = *where(buffer, r);
-          if (r != root && to != kNotShared) std::memcpy(peer_bytes(r, to) + bytes - share, data + bytes - share, share);
+          if (r != root && to != kNotShared) copy_between_ranks(peer_bytes(r, to) + bytes - share, data + bytes - share, share);
         }
       } else {
-        std::memcpy(data, peer_bytes(root, *where(buffer, root)), mine != kNotShared ? bytes - share : bytes);
+        copy_between_ranks(data, peer_bytes(root, *where(buffer, root)), mine != kNotShared ? bytes - share : bytes);
       }
       barrier(timing);  // the root's tensor and every destination stay put until all copies are done
       return;
@@ -631,7 +635,7 @@ void ShmCommunicator::exchange_pieces(const Call& asked, const std::vector<Piece
     }
     if (!recv[r].first || !recv[r].second) continue;
     if (const uint64_t from = piece(buffer, r, rank_)->offset; from != kNotShared) {
-      std::memcpy(recv[r].first, peer_bytes(r, from), recv[r].second);
+      copy_between_ranks(recv[r].first, peer_bytes(r, from), recv[r].second);
     } else {
       transfers.push_back(Transfer{false, r, recv[r].first, recv[r].second, timing.deadline, timing.timeout});
     }
@@ -683,7 +687,7 @@ size_t ShmCommunicator::step_direct(Transfer& t, Ring& r) {
     t.source_done += moved;
   }
   if (t.source_done == sizeof(t.source)) {
-    std::memcpy(t.data, peer_bytes(t.peer, t.source), t.bytes);
+    copy_between_ranks(t.data, peer_bytes(t.peer, t.source), t.bytes);
     t.done = t.bytes;
     moved += t.bytes;
     r.acked().fetch_add(1, std::memory_order_release);

@@ -7,6 +7,10 @@
 
 #include <cstring>
 #include <sstream>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <type_traits>
 
 namespace mirage::nccl {
@@ -107,6 +111,34 @@ void scale(at::ScalarType dtype, char* data, int64_t n, const Reduction& reducti
                                                   : static_cast<scalar_t>(reduction.factor);
     for (int64_t i = 0; i < n; ++i) d[i] = d[i] * factor;
   });
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) static void stream_copy(char* to, const char* from, size_t bytes) {
+  const size_t head = (32 - reinterpret_cast<uintptr_t>(to) % 32) % 32;  // streaming stores want 32-byte alignment
+  std::memcpy(to, from, head);
+  size_t i = head;
+  for (; i + 128 <= bytes; i += 128) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + i + 32));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + i + 64));
+    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + i + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(to + i), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(to + i + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(to + i + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(to + i + 96), d);
+  }
+  _mm_sfence();  // the stores are visible before the copy is announced
+  std::memcpy(to + i, from + i, bytes - i);
+}
+#endif
+
+void copy_between_ranks(char* to, const char* from, size_t bytes) {
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2 && bytes >= kStreamingCopyBytes) return stream_copy(to, from, bytes);
+#endif
+  std::memcpy(to, from, bytes);
 }
 
 void Communicator::exchange_pieces(const Call& asked, const std::vector<Piece>& send, const std::vector<Piece>& recv,
