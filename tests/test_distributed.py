@@ -64,6 +64,30 @@ def test_one_host_copies_between_gpus_memory_unless_p2p_is_disabled(p2p):
     assert all(("transport shared memory, P2P direct copies)" in line) == p2p for line in init_lines), init_lines
 
 
+def test_a_rank_without_an_arena_makes_its_communicator_stage_everything(tmp_path):
+    """Rank 1 cannot reserve the address space of its shared device memory (ulimit -v): no rank
+    may copy from or into it, so every rank of the communicator takes the staged path, and the
+    large collectives still give the right values."""
+    script = tmp_path / "no_arena.py"
+    script.write_text(
+        "import os, resource\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    resource.setrlimit(resource.RLIMIT_AS, (16 << 30, 16 << 30))\n"
+        "import torch, torch.distributed as dist\n"
+        "rank = int(os.environ['RANK']); torch.cuda.set_device(rank)\n"
+        "dist.init_process_group('nccl')\n"
+        "t = torch.full((1 << 20,), float(rank + 1), device='cuda')\n"
+        "dist.broadcast(t, 1); dist.all_reduce(t)\n"
+        "print('values', t.min().item(), t.max().item())\n"
+        "dist.destroy_process_group()\n")
+    result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--env", "NCCL_DEBUG=INFO", "--",
+                    "python", str(script), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[0] values 4.0 4.0" in result.stdout and "[1] values 4.0 4.0" in result.stdout
+    init_lines = [line for line in result.stderr.splitlines() if "Init COMPLETE" in line]
+    assert len(init_lines) == 2 and all(line.endswith("transport shared memory)") for line in init_lines), init_lines
+
+
 def test_dist_smoke_on_two_nodes_logs_devices_and_reduces():
     result = mirage("run", "--profile", "mi350x", "--num-nodes", "2", "--gpus-per-node", "2", *NCCL_ENV,
                     "--env", "NCCL_DEBUG=INFO", "--", "python3", "tests/fixtures/ml/dist_smoke.py")
