@@ -253,7 +253,7 @@ class ShmCommunicator final : public Communicator {
   char* base_;
   size_t bytes_;
   bool spin_;
-  bool direct_ = false;  // large messages and broadcasts by direct copies (probe_peer_memory)
+  bool direct_ = false;  // P2P: large tensors copied straight between arenas (probe_peer_memory)
   MirageSharedArena own_{};
   std::vector<std::shared_ptr<PeerArena>> peer_memory_;  // per rank; null for this one
   uint64_t chunks_ = 0, barriers_ = 0;
@@ -457,6 +457,8 @@ void ShmCommunicator::reduce_chunks(char* data, int64_t numel, at::ScalarType dt
     const int64_t n = std::min(chunk, numel - offset);
     char* mine = data + offset * item;
     const int buffer = next_buffer();
+    // The first chunk is staged even when every tensor turns out shared: whether they are is
+    // known only after the barrier, and a chunk's copy costs less than another barrier.
     if (offset == 0) *where(buffer, rank_) = large ? shared_offset(data) : kNotShared;
     std::memcpy(slot(buffer, rank_), mine, static_cast<size_t>(n * item));
     if (reduction.op == Op::PREMUL_SUM) scale(dtype, slot(buffer, rank_), n, reduction, 0);

@@ -36,14 +36,16 @@ class Arena {
   // tensors), so there it is null too, as CUDA is unusable in a child forked after it started.
   static Arena* get() {
     Arena* arena = instance();
-    return arena && arena->owner_ == getpid() ? arena : nullptr;
+    return arena && arena->owned_here() ? arena : nullptr;
   }
 
-  // Whether `p` lies in an arena this (forked) process inherited from its parent.
-  static bool inherited(const void* p) {
-    Arena* arena = instance();
-    return arena && arena->owner_ != getpid() && arena->owns(p);
+  // The arena this process created or inherited, or null.
+  static Arena* instance() {
+    static Arena* arena = create();
+    return arena;
   }
+
+  bool owned_here() const { return owner_ == getpid(); }
 
   bool owns(const void* p) const {
     const char* c = static_cast<const char*>(p);
@@ -107,11 +109,6 @@ class Arena {
   }
 
  private:
-  static Arena* instance() {
-    static Arena* arena = create();
-    return arena;
-  }
-
   Arena(int fd, char* base, size_t capacity, uint64_t id)
       : owner_(getpid()), fd_(fd), base_(base), capacity_(capacity), id_(id) {}
 
@@ -172,10 +169,11 @@ void* allocate_device_bytes(size_t bytes) {
 }
 
 void free_device_bytes(void* p) {
-  if (Arena* arena = Arena::get(); arena && arena->owns(p)) {
-    arena->free(p);
-  } else if (!Arena::inherited(p)) {
+  Arena* arena = Arena::instance();
+  if (!arena || !arena->owns(p)) {  // a pointer comparison: small blocks pay nothing more
     c10::free_cpu(p);
+  } else if (arena->owned_here()) {
+    arena->free(p);
   }  // else: the parent's memory, which a forked child leaves alone
 }
 
