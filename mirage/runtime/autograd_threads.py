@@ -1,7 +1,21 @@
-"""Lets autograd's device threads finish with the last backward pass before Python finalizes.
+"""Where autograd runs an emulated device's backward pass, and its device threads at exit.
 
-With a CUDA device registered, autograd runs a backward pass on a worker thread per device
-(`pt_autograd_N`). torch 2.13 stashes a Python object in the thread-local state every backward
+**Backward on the calling thread.** With a CUDA device registered, autograd hands the nodes of a
+device to a worker thread per device (`pt_autograd_N`). On a GPU that thread only launches
+kernels; here it runs them, on the CPU, and every thread that starts an OpenMP parallel region
+gets an OpenMP team of its own. Two teams (the main thread's for forward and the optimizer, the
+device thread's for backward) make libgomp manage more threads than there are cores, and it then
+throttles its spin-wait to a few hundred iterations, so every parallel region of every small
+kernel pays a futex wake-up: a small-op training step at 2 threads on 2 cores ran at 2x the native
+CPU step (docs/benchmarks.md), against 1.3x at one thread. So a backward pass started from Python
+runs with autograd's multithreading disabled, as `torch.autograd.set_multithreading_enabled(False)`
+does: every node runs on the calling thread, one OpenMP team does all the work, as in a CPU
+process. Left alone: a backward pass while the calling thread allocates to a private pool
+(`torch.cuda.use_mem_pool` routes that thread's allocations only: on a GPU the backward pass's
+allocations, made by the device thread, do not go there), and backward passes started from C++.
+
+**Device threads at exit.** When a device thread did run a pass, torch 2.13 stashes a Python
+object in the thread-local state every backward
 captures (`_engine_run_backward`: the contextvars context), so whichever thread drops a pass's
 last reference must take the GIL to release it. When that is the device thread, and it has not
 yet got the GIL when the main thread starts finalizing, Python ends the thread with
@@ -20,6 +34,7 @@ previous one is gone, and this one holds nothing that needs the GIL.
 from __future__ import annotations
 
 import atexit
+import functools
 from types import ModuleType
 
 
@@ -36,7 +51,30 @@ def drain_at_exit(torch: ModuleType) -> None:
         engine.run_backward((root,), (torch.ones_like(root),), False, False, (), True, True)
 
 
+def on_calling_thread(torch: ModuleType, run_backward):
+    """`run_backward` (autograd's `_engine_run_backward`) with every node on the calling thread."""
+    is_enabled, set_enabled = torch._C._is_multithreading_enabled, torch._C._set_multithreading_enabled
+    allocates_to_pool = torch.ops.mirage.thread_allocates_to_pool
+
+    @functools.wraps(run_backward)
+    def engine_run_backward(*args, **kwargs):
+        if not is_enabled() or allocates_to_pool():
+            return run_backward(*args, **kwargs)
+        set_enabled(False)
+        try:
+            return run_backward(*args, **kwargs)
+        finally:
+            set_enabled(True)
+
+    return engine_run_backward
+
+
 def install(torch: ModuleType) -> None:
-    """Registers the drain; it runs after the atexit handlers registered later (LIFO), so after
-    the process-group teardown, which may itself drop the last backward's objects."""
+    """Runs Python's backward passes on the calling thread, and registers the drain; the drain runs
+    after the atexit handlers registered later (LIFO), so after the process-group teardown, which
+    may itself drop the last backward's objects."""
+    # torch.autograd imported the function by name: both references are autograd's entry points
+    # (torch.compiler patches the same two for non-strict tracing).
+    wrapped = on_calling_thread(torch, torch.autograd.graph._engine_run_backward)
+    torch.autograd.graph._engine_run_backward = torch.autograd._engine_run_backward = wrapped
     atexit.register(drain_at_exit, torch)

@@ -1502,6 +1502,13 @@ TORCH_LIBRARY(mirage, m) {
       }
     }
   });
+  // Whether this thread routes its allocations on some device to a private pool (use_mem_pool).
+  m.def("thread_allocates_to_pool() -> bool", []() {
+    for (c10::DeviceIndex dev = 0; dev < mirage::config().num_devices; ++dev) {
+      if (!mirage::tl_pools[dev].empty()) return true;
+    }
+    return false;
+  });
   m.def("release_pool(int device, int id0, int id1) -> ()", [](int64_t device, int64_t id0, int64_t id1) {
     const auto dev = static_cast<c10::DeviceIndex>(device);
     mirage::check_index(dev);
