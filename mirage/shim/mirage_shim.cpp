@@ -698,16 +698,46 @@ C10_REGISTER_GUARD_IMPL(CUDA, MirageGuard);
 // A CPU tensor over the same bytes as `t` (same geometry, same offset), for CPU kernels.
 // Its storage is resizable with the CPU allocator so that out= kernels may grow it; the
 // fallback notices and moves the grown bytes back into device memory.
+//
+// An alias costs three heap objects (TensorImpl, StorageImpl, version counter) and most ops
+// take two or three tensors, so aliases nobody kept are recycled per thread: the next alias
+// re-points one at other bytes instead of allocating.
+static thread_local std::vector<c10::intrusive_ptr<c10::TensorImpl>> tl_spare_aliases;
+constexpr size_t kMaxSpareAliases = 16;
+
 static at::Tensor cpu_alias(const at::Tensor& t) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-  auto storage = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), s->nbytes(),
-      c10::DataPtr(const_cast<void*>(s->data()), c10::Device(DeviceType::CPU)), c10::GetCPUAllocator(), true);
-  auto impl = c10::make_intrusive<c10::TensorImpl>(
-      c10::Storage(std::move(storage)), c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
+  c10::DataPtr bytes(const_cast<void*>(s->data()), c10::Device(DeviceType::CPU));
+  c10::intrusive_ptr<c10::TensorImpl> impl;
+  if (!tl_spare_aliases.empty()) {
+    impl = std::move(tl_spare_aliases.back());
+    tl_spare_aliases.pop_back();
+    c10::StorageImpl* own = impl->storage().unsafeGetStorageImpl();
+    own->set_data_ptr_noswap(std::move(bytes));
+    own->set_nbytes(s->nbytes());
+    if (impl->dtype() != t.dtype()) impl->set_storage_and_dtype(impl->storage(), t.dtype());
+  } else {
+    auto storage = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), s->nbytes(),
+        std::move(bytes), c10::GetCPUAllocator(), true);
+    impl = c10::make_intrusive<c10::TensorImpl>(
+        c10::Storage(std::move(storage)), c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
+  }
   impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
-  if (t.is_conj()) impl->_set_conj(true);
-  if (t.is_neg()) impl->_set_neg(true);
+  if (impl->is_conj() != t.is_conj()) impl->_set_conj(t.is_conj());
+  if (impl->is_neg() != t.is_neg()) impl->_set_neg(t.is_neg());
   return at::Tensor(std::move(impl));
+}
+
+// Keeps `alias` for the next cpu_alias if nothing but the caller holds it (not a kernel, not Python).
+static void recycle_alias(at::Tensor&& alias) {
+  c10::TensorImpl* impl = alias.unsafeGetTensorImpl();
+  const c10::StorageImpl* storage = impl->storage().unsafeGetStorageImpl();
+  if (tl_spare_aliases.size() >= kMaxSpareAliases || alias.use_count() != 1 || alias.weak_use_count() != 1 ||
+      impl->storage().use_count() != 1 || impl->pyobj_slot()->load_pyobj() != nullptr ||
+      storage->pyobj_slot()->load_pyobj() != nullptr || !impl->allow_tensor_metadata_change()) {
+    return;
+  }
+  tl_spare_aliases.push_back(c10::intrusive_ptr<c10::TensorImpl>::reclaim(alias.unsafeReleaseTensorImpl()));
 }
 
 // A device tensor with `geometry`'s sizes/strides/offset/dtype on `storage`.
@@ -724,7 +754,8 @@ static at::Tensor on_storage(c10::Storage storage, const at::Tensor& geometry) {
 
 // Keeps a CPU kernel's result alive as device memory, with its block of the device's allocator.
 struct AdoptedBytes {
-  c10::Storage cpu;
+  c10::DataPtr cpu;    // the CPU allocation
+  c10::Storage owner;  // or the CPU storage holding it, when the result could not be re-labelled in place
   DeviceIndex device;
   CachedBlock* block;  // null for an empty result
 };
@@ -734,22 +765,82 @@ static void release_adopted(void* ctx) {
   delete a;
 }
 
-// Re-labels the memory of a fresh CPU result as device memory (no copy). Inside a private pool
-// (use_mem_pool, a cudagraph tree's warm-up) the block's bytes are the pool's: the result is
-// copied there, so that its address is the block's, as a GPU kernel's output would be.
-static c10::Storage adopt_storage(const c10::Storage& cpu, DeviceIndex dev) {
-  int64_t nbytes = static_cast<int64_t>(cpu.nbytes());
+// The device memory a fresh CPU result of `nbytes` at `data` becomes: the same bytes with a block
+// of the device's allocator (no copy), or, inside a private pool (use_mem_pool, a cudagraph
+// tree's warm-up), the pool block's bytes, where the result is copied so that its address is
+// the block's, as a GPU kernel's output would be. `keep` receives what must outlive the bytes.
+template <class Keep>
+static c10::DataPtr adopted_bytes(void* data, int64_t nbytes, DeviceIndex dev, Keep&& keep) {
   CachedBlock* block = nbytes > 0 ? allocate_block(dev, static_cast<size_t>(nbytes)) : nullptr;
-  c10::DataPtr dp;
   if (block && block->host) {
-    std::memcpy(block->host, cpu.data(), static_cast<size_t>(nbytes));
-    dp = pool_block_data(dev, block);
-  } else {
-    dp = c10::DataPtr(const_cast<void*>(cpu.data()), new AdoptedBytes{cpu, dev, block}, &release_adopted,
-                      c10::Device(DeviceType::CUDA, dev));
+    std::memcpy(block->host, data, static_cast<size_t>(nbytes));
+    return pool_block_data(dev, block);
   }
+  auto* adopted = new AdoptedBytes{{}, {}, dev, block};
+  keep(*adopted);
+  return c10::DataPtr(data, adopted, &release_adopted, c10::Device(DeviceType::CUDA, dev));
+}
+
+// A device storage over a fresh CPU result's bytes, the CPU storage kept alive inside it.
+static c10::Storage adopt_storage(const c10::Storage& cpu, DeviceIndex dev) {
+  const int64_t nbytes = static_cast<int64_t>(cpu.nbytes());
+  c10::DataPtr dp = adopted_bytes(const_cast<void*>(cpu.data()), nbytes, dev, [&](AdoptedBytes& a) { a.owner = cpu; });
   return c10::Storage(c10::make_intrusive<c10::StorageImpl>(
       c10::StorageImpl::use_byte_size_t(), nbytes, std::move(dp), &device_allocators()[dev], true));
+}
+
+// The key sets a TensorImpl's constructor gives a plain dense tensor on CPU and on CUDA (with
+// their autograd and autocast keys), outside inference mode.
+struct PlainKeys {
+  c10::DispatchKeySet cpu, cuda;
+  PlainKeys() {
+    c10::InferenceMode outside(false);
+    cpu = c10::TensorImpl(c10::DispatchKeySet(c10::DispatchKey::CPU), caffe2::TypeMeta::Make<float>(),
+                          c10::Device(DeviceType::CPU)).key_set();
+    cuda = c10::TensorImpl(c10::DispatchKeySet(c10::DispatchKey::CUDA), caffe2::TypeMeta::Make<float>(),
+                           c10::Device(DeviceType::CUDA, 0)).key_set();
+  }
+};
+static const PlainKeys& plain_keys() {
+  static const PlainKeys keys;
+  return keys;
+}
+
+// A TensorImpl's key set is protected; a derived class may name it (and only ever reads or
+// writes it through this member pointer, on TensorImpls that are not of this type).
+struct KeySetOf : c10::TensorImpl {
+  static constexpr c10::DispatchKeySet c10::TensorImpl::*member = &KeySetOf::key_set_;
+};
+
+// The weak references to `s` (1 while a strong one exists): borrowed without touching the counts.
+static uint32_t weak_references(c10::StorageImpl* s) {
+  auto borrowed = c10::intrusive_ptr<c10::StorageImpl>::reclaim(s);
+  const uint32_t weak = borrowed.weak_use_count();
+  borrowed.release();
+  return weak;
+}
+
+// Re-labels a kernel's fresh CPU result as a device tensor in place: its storage's DataPtr
+// becomes device memory and its keys the device's, with no new TensorImpl or StorageImpl. Only
+// when the result alone holds its storage and nothing else (Python, the kernel) holds either;
+// false leaves it untouched for the general path.
+static bool relabel_in_place(at::Tensor& out, DeviceIndex dev) {
+  c10::TensorImpl* impl = out.unsafeGetTensorImpl();
+  c10::StorageImpl* s = impl->storage().unsafeGetStorageImpl();
+  if (impl->key_set() != plain_keys().cpu || out.use_count() != 1 || out.weak_use_count() != 1 ||
+      impl->storage().use_count() != 1 || weak_references(s) != 1 ||
+      impl->pyobj_slot()->load_pyobj() != nullptr || s->pyobj_slot()->load_pyobj() != nullptr ||
+      !impl->allow_tensor_metadata_change() || s->data_ptr().device().type() != DeviceType::CPU) {
+    return false;
+  }
+  c10::DataPtr device_bytes = adopted_bytes(s->mutable_data(), static_cast<int64_t>(s->nbytes()), dev, [](AdoptedBytes&) {});
+  auto* adopted = device_bytes.get_deleter() == &release_adopted ? static_cast<AdoptedBytes*>(device_bytes.get_context()) : nullptr;
+  c10::DataPtr cpu_bytes = s->set_data_ptr(std::move(device_bytes));
+  if (adopted) adopted->cpu = std::move(cpu_bytes);  // else copied into a pool block: the CPU bytes go now
+  s->set_allocator(&device_allocators()[dev]);
+  impl->set_storage_keep_dtype(impl->storage());  // the tensor's device follows its storage's
+  impl->*KeySetOf::member = plain_keys().cuda;
+  return true;
 }
 
 // After a CPU kernel wrote into `alias` (in-place or out=), make `orig` reflect any resize.
@@ -1041,10 +1132,38 @@ static void capture_op(const c10::OperatorHandle& op, torch::jit::Stack* stack) 
       "API (e.g. torch.nn.functional), which takes an emulated path.");
 }
 
+// What the fallback reads of an operator's schema, read once per thread and operator: walking
+// the schema (argument types, alias annotations) on every call cost more than the lookup.
+struct OpTraits {
+  const c10::Argument* arguments = nullptr;  // tells a schema re-registered at the same address
+  uint32_t num_args = 0;
+  uint32_t num_returns = 0;
+  bool is_mutable = false;
+  c10::SmallVector<uint32_t, 2> generator_args;  // Generator? arguments, which the CPU kernel must get
+};
+
+static const OpTraits& traits_of(const c10::FunctionSchema& schema) {
+  static thread_local std::unordered_map<const c10::FunctionSchema*, OpTraits> known;
+  OpTraits& traits = known[&schema];
+  const auto& args = schema.arguments();
+  if (traits.arguments != args.data() || traits.num_args != args.size()) {
+    traits = OpTraits{args.data(), static_cast<uint32_t>(args.size()),
+                      static_cast<uint32_t>(schema.returns().size()), schema.is_mutable(), {}};
+    for (uint32_t i = 0; i < args.size(); ++i) {
+      const auto& type = args[i].type();
+      if (type->kind() == c10::TypeKind::OptionalType &&
+          type->containedType(0)->kind() == c10::TypeKind::GeneratorType) {
+        traits.generator_args.push_back(i);
+      }
+    }
+  }
+  return traits;
+}
+
 static void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   if (capturing()) return capture_op(op, stack);
-  const auto& args = op.schema().arguments();
-  const size_t num_args = args.size();
+  const OpTraits& traits = traits_of(op.schema());
+  const size_t num_args = traits.num_args;
   const size_t base = stack->size() - num_args;
   c10::SmallVector<Aliased, 8> aliased;
   DeviceIndex target = -1;
@@ -1073,7 +1192,6 @@ static void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::
     return a;
   };
 
-  c10::SmallVector<size_t, 2> generator_slots;
   for (size_t i = 0; i < num_args; ++i) {
     c10::IValue& iv = (*stack)[base + i];
     if (iv.isTensor()) {
@@ -1096,13 +1214,13 @@ static void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::
         if (target < 0) target = d.has_index() ? d.index() : tl_device;
         iv = c10::IValue(cpu_device);
       }
-    } else if (iv.isNone() && args[i].type()->kind() == c10::TypeKind::OptionalType &&
-               args[i].type()->containedType(0)->kind() == c10::TypeKind::GeneratorType) {
-      generator_slots.push_back(i);
     }
   }
   if (target < 0) target = tl_device;
-  for (size_t i : generator_slots) (*stack)[base + i] = c10::IValue(default_generator(target));
+  for (uint32_t i : traits.generator_args) {
+    c10::IValue& iv = (*stack)[base + i];
+    if (iv.isNone()) iv = c10::IValue(default_generator(target));
+  }
 
   {
     BusyTimer busy(target);
@@ -1115,12 +1233,13 @@ static void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::
   }
 
   // Writes (in-place / out=) may have resized an alias: carry that back to the device tensor.
-  if (!aliased.empty() && op.schema().is_mutable()) {
+  if (!aliased.empty() && traits.is_mutable) {
     for (auto& a : aliased) sync_back(a.orig, a.alias);
   }
 
   // Map results: an alias itself -> the original; a view of an alias -> a view of the original
-  // storage; anything else is fresh CPU memory, re-labelled as memory of the target device.
+  // storage; anything else is fresh CPU memory, re-labelled as memory of the target device (in
+  // place where the result alone holds it, else on a new device storage shared by its views).
   c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 2> adopted;
   auto map_back = [&](const at::Tensor& out) -> at::Tensor {
     if (!out.defined() || out.device().type() != DeviceType::CPU || out.layout() != c10::kStrided) return out;
@@ -1137,15 +1256,27 @@ static void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::
     adopted.emplace_back(s, adopt_storage(out.storage(), target));
     return on_storage(adopted.back().second, out);
   };
-  const size_t num_returns = op.schema().returns().size();
+  const size_t num_returns = traits.num_returns;
   const size_t ret_base = stack->size() - num_returns;
   for (size_t i = 0; i < num_returns; ++i) {
     c10::IValue& iv = (*stack)[ret_base + i];
     if (iv.isTensor()) {
-      iv = map_back(iv.toTensor());
+      // The common case, one fresh tensor that nothing else holds: take it out of the IValue so
+      // that the IValue's reference does not count, re-label it, put it back.
+      at::Tensor out = std::move(iv).toTensor();
+      if (out.defined() && out.device().type() == DeviceType::CPU && out.layout() == c10::kStrided &&
+          relabel_in_place(out, target)) {
+        iv = std::move(out);
+        continue;
+      }
+      iv = map_back(out);
     } else {
       map_tensor_lists(iv, map_back);
     }
+  }
+  for (auto& a : aliased) {
+    a.orig.reset();
+    recycle_alias(std::move(a.alias));
   }
 }
 
