@@ -62,17 +62,6 @@ size_t DeviceCache::segment_size_for(size_t requested) {
   return cfg::kRoundLarge * ((size + cfg::kRoundLarge - 1) / cfg::kRoundLarge);
 }
 
-void DeviceCache::update(StatArray& stat, bool small, int64_t delta) {
-  update(stat[0], delta);
-  update(stat[small ? 1 : 2], delta);
-}
-
-void DeviceCache::update(Stat& stat, int64_t delta) {
-  stat.current += delta;
-  stat.peak = std::max(stat.peak, stat.current);
-  (delta > 0 ? stat.allocated : stat.freed) += delta > 0 ? delta : -delta;
-}
-
 void DeviceCache::tell(TraceAction action, const CachedBlock* block) const {
   if (observe_) (*observe_)(action, block->address, block->size, block->stream);
 }
