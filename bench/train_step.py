@@ -223,15 +223,15 @@ def connect_all(listener: socket.socket, sides: list[Side]) -> None:
         by_name[hello["side"]].stream, by_name[hello["side"]].info = stream, hello
 
 
-def worker_command(side: str, workload: str, address: str) -> list[str]:
+def worker_command(side: str, workload: str, address: str, mirage_args: list[str]) -> list[str]:
     inner = [sys.executable, str(Path(__file__).resolve()), "--worker", workload, "--side", side,
              "--address", address]
     if side == "native":
         return inner
-    return [sys.executable, "-m", "mirage", "run", "--quiet", "--gpus-per-node", "1", "--", *inner]
+    return [sys.executable, "-m", "mirage", "run", "--quiet", "--gpus-per-node", "1", *mirage_args, "--", *inner]
 
 
-def measure(workload: str, threads: str, steps: int, warmup: int, scratch: Path) -> dict:
+def measure(workload: str, threads: str, steps: int, warmup: int, scratch: Path, mirage_args: list[str]) -> dict:
     """Runs one workload at one thread setting in the three processes, interleaved."""
     import torch  # only to compare the weights at the end
 
@@ -248,7 +248,7 @@ def measure(workload: str, threads: str, steps: int, warmup: int, scratch: Path)
         for name in SIDES:
             log = scratch / f"{workload}-{threads}-{name}.log"
             with open(log, "w") as out:
-                process = subprocess.Popen(worker_command(name, workload, address), cwd=REPO, env=env,
+                process = subprocess.Popen(worker_command(name, workload, address, mirage_args), cwd=REPO, env=env,
                                            stdout=out, stderr=subprocess.STDOUT)
             sides.append(Side(name, process, log))
         connect_all(listener, sides)
@@ -317,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per process first (default 3)")
     ap.add_argument("--workload", choices=list(WORKLOADS), nargs="+", default=list(WORKLOADS))
     ap.add_argument("--threads", choices=["default", "1"], nargs="+", default=["default", "1"])
+    ap.add_argument("--mirage-arg", action="append", default=[], metavar="ARG",
+                    help="an option for `mirage run` of the mirage sides (repeatable), e.g. --mirage-arg=--in-process")
     ap.add_argument("--worker", choices=list(WORKLOADS), help=argparse.SUPPRESS)
     ap.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--address", help=argparse.SUPPRESS)
@@ -337,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                 steps = max(3, args.steps // 4) if workload == "module_db" else args.steps
                 warmup = min(args.warmup, 1) if workload == "module_db" else args.warmup
                 try:
-                    results.append(measure(workload, threads, steps, warmup, Path(scratch)))
+                    results.append(measure(workload, threads, steps, warmup, Path(scratch), args.mirage_arg))
                 except RuntimeError as error:
                     print(f"train_step: {workload} at {threads} threads failed: {error}", file=sys.stderr)
                     return 1
