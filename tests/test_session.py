@@ -132,9 +132,10 @@ def test_desync_is_reported_at_once_naming_both_calls():
 @pytest.mark.parametrize("workload, expected", [
     ("hang.py", ["hang: ranks [0] have waited more than 2 s in #2 all_reduce",
                  "rank 1 never arrived; its last collective: all_reduce", 'hang.py", line 15 in <module>']),
-    # inside DDP, where the all-reduce is issued from C++ (seen by the recorder once it waits)
+    # inside DDP, where the all-reduce is issued from C++ during the backward pass of line 17
     ("ddp_hang.py", ["hang: ranks [0] have waited more than 2 s in",
-                     "all_reduce(dtype=float32, shapes=[[72]], op=SUM) from C++ (no Python caller: DDP's reducer",
+                     "all_reduce(dtype=float32, shapes=[[72]], op=SUM) from C++ during the backward pass at ",
+                     "ddp_hang.py:17 in <module> (DDP's reducer or another C++ caller)",
                      "rank 1 never arrived",
                      'ddp_hang.py", line 16 in <module>']),
 ])

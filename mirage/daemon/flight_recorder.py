@@ -32,7 +32,9 @@ def describe(entry: dict) -> str:
     return (f"{entry['name']}(dtype={entry.get('dtype')}, shapes={entry.get('shapes')}"
             + (f", op={entry['reduce_op']}" if entry.get("reduce_op") else "")
             + (f", peer={entry['peer']}" if entry.get("peer") is not None else "") + ")"
-            + (f" at {entry['callsite']}" if entry.get("callsite")
+            + (f" from C++ during the backward pass at {entry['callsite']} (DDP's reducer or another C++ caller)"
+               if entry.get("callsite") and entry.get("in_backward")
+               else f" at {entry['callsite']}" if entry.get("callsite")
                else " from C++ (no Python caller: DDP's reducer or another C++ caller)"))
 
 

@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include <condition_variable>
+#include <cstring>
 #include <ctime>
 #include <deque>
 #include <iomanip>
@@ -145,21 +146,31 @@ std::string json_string(const std::string& s) {
 
 // Where user code issued the operation: the innermost Python frame outside torch and mirage, as
 // "file:line in function"; empty for a thread that never ran Python (DDP's reducer issues its
-// all-reduces from autograd's threads). The GIL is taken only by threads Python knows, which
-// released it to call in here.
-std::string python_call_site() {
-  if (!Py_IsInitialized() || PyGILState_GetThisThreadState() == nullptr) return "";
-  PyGILState_STATE state = PyGILState_Ensure();
+// all-reduces from autograd's device threads on a GPU). `in_backward`: the innermost frame of all
+// is autograd's engine call, so C++ code inside a backward pass (DDP's reducer: mirage runs an
+// emulated GPU's backward pass on the calling thread) issued it, and the site is that pass's
+// caller. The GIL is taken only by threads Python knows, which released it to call in here.
+struct CallSite {
   std::string site;
+  bool in_backward = false;
+};
+
+CallSite python_call_site() {
+  CallSite out;
+  if (!Py_IsInitialized() || PyGILState_GetThisThreadState() == nullptr) return out;
+  PyGILState_STATE state = PyGILState_Ensure();
   PyFrameObject* frame = PyEval_GetFrame();
   Py_XINCREF(frame);
-  while (frame && site.empty()) {
+  bool innermost = true;
+  while (frame && out.site.empty()) {
     PyCodeObject* code = PyFrame_GetCode(frame);
     const char* file = PyUnicode_AsUTF8(code->co_filename);
+    const char* function = PyUnicode_AsUTF8(code->co_name);
     const std::string name = file ? file : "?";
+    if (innermost) out.in_backward = function && std::strcmp(function, "_engine_run_backward") == 0;
+    innermost = false;
     if (name.find("/torch/") == std::string::npos && name.find("/mirage/") == std::string::npos) {
-      const char* function = PyUnicode_AsUTF8(code->co_name);
-      site = name + ":" + std::to_string(PyFrame_GetLineNumber(frame)) + " in " + (function ? function : "?");
+      out.site = name + ":" + std::to_string(PyFrame_GetLineNumber(frame)) + " in " + (function ? function : "?");
     }
     Py_DECREF(code);
     PyFrameObject* back = PyFrame_GetBack(frame);
@@ -169,7 +180,7 @@ std::string python_call_site() {
   Py_XDECREF(frame);
   PyErr_Clear();
   PyGILState_Release(state);
-  return site;
+  return out;
 }
 
 // Where flight-recorder lines go: the process's connection to its session (set from Python once
@@ -203,7 +214,7 @@ struct Record {
   int64_t numel_in = 0, numel_out = 0, bytes = 0;
   std::string reduce_op;
   int peer = -1;               // p2p: the other group rank
-  std::string call_site;       // python_call_site()
+  CallSite call_site;          // python_call_site()
   std::chrono::milliseconds timeout{0};
   int64_t created_ns = 0, started_ns = 0, completed_ns = 0;
   std::string state = "scheduled";
@@ -875,7 +886,8 @@ class ProcessGroupNCCL final : public c10d::Backend {
       line << "], \"numel\": " << r.numel_in << ", \"bytes\": " << r.bytes << ", \"reduce_op\": "
            << (r.reduce_op.empty() ? "null" : json_string(r.reduce_op));
       if (r.p2p) line << ", \"peer\": " << group_ranks()[r.peer];
-      if (!r.call_site.empty()) line << ", \"callsite\": " << json_string(r.call_site);
+      if (!r.call_site.site.empty()) line << ", \"callsite\": " << json_string(r.call_site.site);
+      if (r.call_site.in_backward) line << ", \"in_backward\": true";
       line << "}\n";
       tell_session(line.str());
     } else {

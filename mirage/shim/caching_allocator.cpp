@@ -342,8 +342,8 @@ void DeviceCache::release_segments_locked(const Release& release) {
     }
     const bool empty = pair.large.blocks.empty() && pair.small.blocks.empty() && pair.large.unmapped.empty() &&
                        pair.small.unmapped.empty();
-    const bool in_use = std::any_of(active_.begin(), active_.end(),
-                                    [&](const CachedBlock* b) { return b->pool->owner == it->first; });
+    bool in_use = false;
+    for (const CachedBlock* b : active_) in_use = in_use || b->pool->owner == it->first;
     it = pair.released && empty && !in_use ? private_.erase(it) : std::next(it);
   }
 }

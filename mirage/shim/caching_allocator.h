@@ -89,7 +89,41 @@ struct CachedBlock {
   ExpandableSpace* space = nullptr;      // the expandable segment it belongs to, if any
   int64_t free_since = 0;                // its pool's free_block_searches when it was cached
   char* host = nullptr;                  // private pools: the block's bytes (its segment's at its offset)
+  CachedBlock* active_prev = nullptr;    // the allocated blocks' list (ActiveBlocks)
+  CachedBlock* active_next = nullptr;
   bool is_split() const { return prev != nullptr || next != nullptr; }
+};
+
+// The allocated blocks, as an intrusive list: every allocation and free inserts and erases one,
+// with no heap node and no tree walk (a std::set here was the op path's costliest line).
+class ActiveBlocks {
+ public:
+  void insert(CachedBlock* block) {
+    block->active_prev = nullptr;
+    block->active_next = head_;
+    if (head_) head_->active_prev = block;
+    head_ = block;
+  }
+  void erase(CachedBlock* block) {
+    if (block->active_prev == nullptr && head_ != block) return;  // not in the list
+    (block->active_prev ? block->active_prev->active_next : head_) = block->active_next;
+    if (block->active_next) block->active_next->active_prev = block->active_prev;
+    block->active_prev = block->active_next = nullptr;
+  }
+  struct iterator {
+    CachedBlock* block;
+    CachedBlock* operator*() const { return block; }
+    iterator& operator++() {
+      block = block->active_next;
+      return *this;
+    }
+    bool operator!=(const iterator& other) const { return block != other.block; }
+  };
+  iterator begin() const { return {head_}; }
+  iterator end() const { return {nullptr}; }
+
+ private:
+  CachedBlock* head_ = nullptr;
 };
 
 // One segment as a snapshot shows it: its blocks in address order.
@@ -196,7 +230,7 @@ class DeviceCache {
   std::mutex mu_;
   PoolPair default_;
   std::map<PoolId, PoolPair> private_;
-  std::set<CachedBlock*> active_;
+  ActiveBlocks active_;
   std::map<uintptr_t, size_t> private_segments_;  // host memory of private pools' segments: base -> bytes
   std::vector<std::unique_ptr<ExpandableSpace>> spaces_;
   std::atomic<size_t> capacity_{0}, allowed_by_fraction_{0};
