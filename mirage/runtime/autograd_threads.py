@@ -5,7 +5,7 @@ device to a worker thread per device (`pt_autograd_N`). On a GPU that thread onl
 kernels; here it runs them, on the CPU, and every thread that starts an OpenMP parallel region
 gets an OpenMP team of its own. Two teams (the main thread's for forward and the optimizer, the
 device thread's for backward) make libgomp manage more threads than there are cores, and it then
-throttles its spin-wait to a few hundred iterations, so every parallel region of every small
+throttles its spin-wait from 300,000 iterations to 100, so every parallel region of every small
 kernel pays a futex wake-up: a small-op training step at 2 threads on 2 cores ran at 2x the native
 CPU step (docs/benchmarks.md), against 1.3x at one thread. So a backward pass started from Python
 runs with autograd's multithreading disabled, as `torch.autograd.set_multithreading_enabled(False)`
