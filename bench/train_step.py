@@ -36,13 +36,15 @@ Thread settings: `default` (torch's own choice, one OpenMP thread per core) and 
 (OMP_NUM_THREADS=1 in every process's environment).
 
 Output: a table for people and one line starting with `JSON ` for machines.
-Exit code: 0 all targets met, 3 a target missed, 1 a worker failed.
+Exit code: 0 all targets met, 3 a target missed, 1 a worker failed, 2 it cannot run here (under
+mirage, or transformers missing for `llama`).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -267,8 +269,13 @@ def measure(workload: str, threads: str, steps: int, warmup: int, scratch: Path,
             side.process.wait(timeout=120)
             weights[side.name] = torch.load(path) if path.exists() else None
     finally:
-        for side in sides:
+        for side in sides:  # SIGTERM first: `mirage run` then ends its workload and cleans up
             if side.process.poll() is None:
+                side.process.terminate()
+        for side in sides:
+            try:
+                side.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
                 side.process.kill()
                 side.process.wait()
         listener.close()
@@ -332,6 +339,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
 
+    if "llama" in args.workload and importlib.util.find_spec("transformers") is None:
+        print("bench/train_step.py: the llama workload needs transformers, which is not installed here.\n"
+              f"Fix: {sys.executable} -m pip install transformers torch==2.13.0   (the pin keeps the CPU build of "
+              "torch), or leave it out: --workload mlp small module_db", file=sys.stderr)
+        return 2
     results = []
     with tempfile.TemporaryDirectory(prefix="mirage-train-step-") as scratch:
         for workload in args.workload:
