@@ -343,7 +343,12 @@ void DeviceCache::release_segments_locked(const Release& release) {
     const bool empty = pair.large.blocks.empty() && pair.small.blocks.empty() && pair.large.unmapped.empty() &&
                        pair.small.unmapped.empty();
     bool in_use = false;
-    for (const CachedBlock* b : active_) in_use = in_use || b->pool->owner == it->first;
+    for (const CachedBlock* b : active_) {
+      if (b->pool->owner == it->first) {
+        in_use = true;
+        break;
+      }
+    }
     it = pair.released && empty && !in_use ? private_.erase(it) : std::next(it);
   }
 }

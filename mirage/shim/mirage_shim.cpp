@@ -728,12 +728,14 @@ static at::Tensor cpu_alias(const at::Tensor& t) {
   return at::Tensor(std::move(impl));
 }
 
-// Keeps `alias` for the next cpu_alias if nothing but the caller holds it (not a kernel, not Python).
+// Keeps `alias` for the next cpu_alias if nothing but the caller holds it (not a kernel, not Python)
+// and it owns no bytes (an out= kernel that grew it gave it a CPU allocation, which goes with it).
 static void recycle_alias(at::Tensor&& alias) {
   c10::TensorImpl* impl = alias.unsafeGetTensorImpl();
   const c10::StorageImpl* storage = impl->storage().unsafeGetStorageImpl();
   if (tl_spare_aliases.size() >= kMaxSpareAliases || alias.use_count() != 1 || alias.weak_use_count() != 1 ||
-      impl->storage().use_count() != 1 || impl->pyobj_slot()->load_pyobj() != nullptr ||
+      impl->storage().use_count() != 1 || storage->data_ptr().get_context() != nullptr ||
+      impl->pyobj_slot()->load_pyobj() != nullptr ||
       storage->pyobj_slot()->load_pyobj() != nullptr || !impl->allow_tensor_metadata_change()) {
     return;
   }
@@ -833,10 +835,10 @@ static bool relabel_in_place(at::Tensor& out, DeviceIndex dev) {
       !impl->allow_tensor_metadata_change() || s->data_ptr().device().type() != DeviceType::CPU) {
     return false;
   }
-  c10::DataPtr device_bytes = adopted_bytes(s->mutable_data(), static_cast<int64_t>(s->nbytes()), dev, [](AdoptedBytes&) {});
-  auto* adopted = device_bytes.get_deleter() == &release_adopted ? static_cast<AdoptedBytes*>(device_bytes.get_context()) : nullptr;
-  c10::DataPtr cpu_bytes = s->set_data_ptr(std::move(device_bytes));
-  if (adopted) adopted->cpu = std::move(cpu_bytes);  // else copied into a pool block: the CPU bytes go now
+  // The CPU allocation moves into the device bytes' context; copied into a pool block, it goes.
+  c10::DataPtr device_bytes = adopted_bytes(s->mutable_data(), static_cast<int64_t>(s->nbytes()), dev,
+                                            [s](AdoptedBytes& a) { a.cpu = s->set_data_ptr(c10::DataPtr()); });
+  s->set_data_ptr_noswap(std::move(device_bytes));
   s->set_allocator(&device_allocators()[dev]);
   impl->set_storage_keep_dtype(impl->storage());  // the tensor's device follows its storage's
   impl->*KeySetOf::member = plain_keys().cuda;
