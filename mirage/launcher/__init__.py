@@ -271,6 +271,12 @@ def run_session(request: RunRequest) -> int:
             recorder.start()
             emulator.update(service.environment())
         single = len(processes) == 1
+        if per_node > 1 and "OMP_NUM_THREADS" not in user and (request.clear_env or "OMP_NUM_THREADS" not in os.environ):
+            # As torchrun does for several processes a node: each rank's OpenMP workers would
+            # otherwise spin on cores the other ranks need (with backward on the calling thread,
+            # libgomp no longer throttles them: tests/test_distributed's 8-rank DDP took 15x longer).
+            narrate("setting OMP_NUM_THREADS=1 for each rank, as torchrun does; set it yourself to change it")
+            user = {**user, "OMP_NUM_THREADS": "1"}
         if not single and stdin_has_input():
             narrate("stdin has input, but no rank of a multi-process job reads stdin")
         for place in processes:
