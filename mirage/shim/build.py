@@ -6,7 +6,9 @@ The cache key covers both parts' sources, this builder (its compiler flags), the
 installation directory, and the Python version, so a change to any of them rebuilds. Building imports torch, which must happen in a process where the shim is
 NOT being loaded; the launcher therefore runs this module as `python -m mirage.shim.build` in a
 clean subprocess and reads the library path from its stdout. Concurrent builders serialise on a
-file lock, so two `mirage run`s started together build once.
+file lock, so two `mirage run`s started together build once. Objects are compiled in a build
+folder per torch + Python (not per source), so a change to one source file recompiles that file
+only (ninja), and the finished library is copied to its source-keyed path.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import fcntl
 import hashlib
 import importlib.metadata
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -65,7 +68,7 @@ def build() -> Path:
     if target.exists() and nccl_module_path().exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / ".lock", "w") as lock:
+    with open(cache_root() / ".build-lock", "w") as lock:  # one builder at a time: they share objects
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.exists() and nccl_module_path().exists():
             return target
@@ -81,12 +84,18 @@ def build() -> Path:
         rpath = f"-Wl,-rpath,{cpp_extension.TORCH_LIB_PATH}"
         verbose = os.environ.get("MIRAGE_VERBOSE_BUILD") == "1"
         if not target.exists():
+            objects = cache_root() / f"objects-{_key([])}"
+            objects.mkdir(parents=True, exist_ok=True)
+            (objects / "lock").unlink(missing_ok=True)
             cpp_extension.load(
-                name=LIBRARY_NAME, sources=[str(source) for source in SOURCES], build_directory=str(target.parent),
+                name=LIBRARY_NAME, sources=[str(source) for source in SOURCES], build_directory=str(objects),
                 # The shim is loaded before `import torch`, so it must find libtorch on its own
                 # (rpath) and must not drag in libtorch_python (--as-needed).
                 extra_ldflags=["-Wl,--as-needed", rpath], extra_cflags=["-O3"], is_python_module=False,
                 verbose=verbose)
+            partial = target.with_suffix(".partial")
+            shutil.copy2(objects / f"{LIBRARY_NAME}.so", partial)
+            partial.rename(target)
         if not nccl_module_path().exists():
             # The backend subclasses c10d's pybind Backend: a Python extension, imported after
             # torch, so it links libtorch_python like any torch extension.

@@ -1,0 +1,174 @@
+// Kernels of the emulated device's own, where the op path's CPU kernel is not what a CUDA build
+// does: allocation (empty), copies between host and device, set_ with storages, dropout with the
+// device's generator, autocast's half-to-float softmax, and the choices of backend (convolution,
+// CTC loss) a CUDA build makes differently.
+#include "device_guard.h"
+#include "device_memory.h"
+#include "generators.h"
+#include "graph_capture.h"
+#include "host_views.h"
+#include "op_path.h"
+#include "busy_time.h"
+
+#include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/resize_native.h>
+#include <ATen/ops/view_native.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/copy.h>
+#include <ATen/native/Resize.h>
+#include <torch/library.h>
+
+namespace mirage {
+
+static DeviceIndex index_of(std::optional<c10::Device> device) {
+  DeviceIndex d = (device && device->has_index()) ? device->index() : tl_device;
+  check_index(d);
+  return d;
+}
+
+static at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<at::ScalarType> dtype,
+    std::optional<at::Layout>, std::optional<c10::Device> device, std::optional<bool>,
+    std::optional<at::MemoryFormat> memory_format) {
+  return at::detail::empty_generic(size, device_allocator(index_of(device)),
+      c10::DispatchKeySet(c10::DispatchKey::CUDA), c10::dtype_or_default(dtype), memory_format);
+}
+
+static at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
+    std::optional<at::ScalarType> dtype, std::optional<at::Layout>, std::optional<c10::Device> device,
+    std::optional<bool>) {
+  return at::detail::empty_strided_generic(size, stride, device_allocator(index_of(device)),
+      c10::DispatchKeySet(c10::DispatchKey::CUDA), c10::dtype_or_default(dtype));
+}
+
+// Any direction between host and device, or between devices: the bytes are all host memory.
+static at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool) {
+  if (capturing()) {
+    if (!self.is_cuda() || !src.is_cuda()) refuse_during_capture();  // a host copy syncs the stream
+    record_step([into = graph_reference(self), from = graph_reference(src)]() mutable { into.copy_(from); });
+    return self;
+  }
+  at::Tensor dst_cpu = self.is_cuda() ? cpu_alias(self) : self;
+  at::Tensor src_cpu = src.is_cuda() ? cpu_alias(src) : src;
+  BusyTimer busy(self.is_cuda() ? self.device().index() : src.is_cuda() ? src.device().index() : -1);
+  at::_ops::copy_::redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), dst_cpu, src_cpu, false);
+  return self;
+}
+
+static at::Tensor& set_storage(at::Tensor& self, c10::Storage source, c10::SymInt offset,
+    c10::SymIntArrayRef size, c10::SymIntArrayRef stride) {
+  auto* impl = self.unsafeGetTensorImpl();
+  if (!impl->storage().is_alias_of(source)) impl->set_storage_keep_dtype(std::move(source));
+  impl->set_sizes_and_strides(C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride),
+      offset.expect_int());
+  return self;
+}
+
+static at::Tensor& set_whole_storage(at::Tensor& self, c10::Storage source) {
+  int64_t numel = static_cast<int64_t>(source.nbytes() / self.dtype().itemsize());
+  auto* impl = self.unsafeGetTensorImpl();
+  impl->set_storage_keep_dtype(std::move(source));
+  impl->set_storage_offset(0);
+  impl->set_sizes_contiguous({numel});
+  return self;
+}
+
+static at::Tensor& set_source_tensor(at::Tensor& self, const at::Tensor& source) {
+  auto* impl = self.unsafeGetTensorImpl();
+  if (self.unsafeGetTensorImpl() != source.unsafeGetTensorImpl()) {
+    impl->set_storage_keep_dtype(source.storage());
+    impl->set_sizes_and_strides(source.sizes(), source.strides(), source.storage_offset());
+  }
+  return self;
+}
+
+static at::Tensor& set_empty(at::Tensor& self) {
+  c10::Storage empty(c10::Storage::use_byte_size_t(), 0, device_allocator(self.device().index()), true);
+  self.unsafeGetTensorImpl()->set_storage_keep_dtype(std::move(empty));
+  self.unsafeGetTensorImpl()->set_sizes_contiguous({0});
+  return self;
+}
+
+// Bernoulli dropout with the device's own generator (the CPU kernel would draw from the CPU's).
+static std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, double p, std::optional<bool> train) {
+  if (input.numel() == 0 || (train.has_value() && !*train) || p == 0) {
+    return {input.clone(), at::ones_like(input, input.options().dtype(at::kBool))};
+  }
+  if (p == 1) return {at::zeros_like(input), at::zeros_like(input, input.options().dtype(at::kBool))};
+  at::Tensor mask = at::empty_like(input).bernoulli_(1 - p, default_generator(input.device().index()));
+  at::Tensor out = input.mul(mask).mul_(1.0 / (1 - p));
+  return {out, mask.to(at::kBool)};
+}
+
+static bool no_cudnn_ctc_loss(const at::Tensor&, const at::Tensor&, c10::IntArrayRef, c10::IntArrayRef, int64_t) {
+  return false;
+}
+static bool no_cudnn_ctc_loss_tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
+  return false;
+}
+
+// _softmax / _log_softmax with half_to_float=True (autocast's way: half in, float out) have
+// only a CUDA kernel; the CPU kernel refuses the conversion. As CUDA computes them (in float),
+// the input is widened first; the backward, given float gradients for a half input
+// (input_dtype), returns the half gradient as CUDA does. Everything else: the CPU kernel.
+static void softmax_half_to_float(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  const size_t num_args = op.schema().arguments().size();
+  c10::IValue* arg = &(*stack)[stack->size() - num_args];
+  const bool backward = op.schema().name().find("backward") != std::string::npos;
+  if (!backward) {  // (self, dim, half_to_float)
+    if (arg[2].toBool()) {
+      const at::Tensor& self = arg[0].toTensor();
+      TORCH_CHECK(self.scalar_type() == at::kHalf || self.scalar_type() == at::kBFloat16,
+                  "conversion is supported for Half type only");
+      arg[0] = self.to(at::kFloat);
+      arg[2] = false;
+    }
+    fallback(op, ks, stack);
+    return;
+  }
+  // (grad_output, output, dim, input_dtype)
+  const at::ScalarType input_dtype = static_cast<at::ScalarType>(arg[3].toInt());
+  const at::ScalarType grad_dtype = arg[0].toTensor().scalar_type();
+  if (grad_dtype == input_dtype) {
+    fallback(op, ks, stack);
+    return;
+  }
+  TORCH_CHECK(grad_dtype == at::kFloat && (input_dtype == at::kHalf || input_dtype == at::kBFloat16),
+              "expected input and grad types to match, or input to be at::Half and grad to be at::Float");
+  arg[3] = static_cast<int64_t>(grad_dtype);
+  fallback(op, ks, stack);
+  c10::IValue& result = stack->back();
+  result = result.toTensor().to(input_dtype);
+}
+
+}  // namespace mirage
+
+TORCH_LIBRARY_IMPL(aten, CUDA, m) {
+  m.impl("empty.memory_format", TORCH_FN(mirage::empty_memory_format));
+  m.impl("empty_strided", TORCH_FN(mirage::empty_strided));
+  m.impl("as_strided", TORCH_FN(at::native::as_strided_tensorimpl));
+  m.impl("view", TORCH_FN(at::native::view));
+  m.impl("_reshape_alias", TORCH_FN(at::native::_reshape_alias));
+  m.impl("resize_", TORCH_FN(at::native::resize_));
+  m.impl("copy_", TORCH_FN(mirage::copy_));
+  m.impl("set_.source_Storage_storage_offset", TORCH_FN(mirage::set_storage));
+  m.impl("set_.source_Storage", TORCH_FN(mirage::set_whole_storage));
+  m.impl("set_.source_Tensor", TORCH_FN(mirage::set_source_tensor));
+  m.impl("set_", TORCH_FN(mirage::set_empty));
+  m.impl("native_dropout", TORCH_FN(mirage::native_dropout));
+  for (const char* name : {"_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&mirage::softmax_half_to_float>());
+  }
+  // Composites that pick a CUDA-only backend for device tensors (depthwise, slow 3d and
+  // transposed convolutions, whose CUDA kernels a CPU build lacks): run the CPU composite on
+  // CPU views instead, so the CPU's own algorithm choice (and numbers) apply.
+  for (const char* name : {"convolution", "_convolution", "convolution_backward"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&mirage::fallback>());
+  }
+  // There is no cuDNN/MIOpen behind the emulated device: ctc_loss takes its native path.
+  m.impl("_use_cudnn_ctc_loss", TORCH_FN(mirage::no_cudnn_ctc_loss));
+  m.impl("_use_cudnn_ctc_loss.Tensor", TORCH_FN(mirage::no_cudnn_ctc_loss_tensor));
+  m.impl("_use_miopen_ctc_loss", TORCH_FN(mirage::no_cudnn_ctc_loss));
+  m.impl("_use_miopen_ctc_loss.Tensor", TORCH_FN(mirage::no_cudnn_ctc_loss_tensor));
+}
