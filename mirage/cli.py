@@ -2,6 +2,7 @@
 
 Usage:
     mirage run [--profile P] [--gpus-per-node N] [--num-nodes M] [--nproc-per-node K]
+               [--timing [--trace PATH] [--virtual-clock] [--timing-tuning FILE]]
                [--env K=V]... [--workdir DIR] [--clear-env-vars] -- CMD ARGS...
     mirage ps [--json]                         live sessions
     mirage smi [--session ID] [--json] [--watch [SECONDS]]
@@ -9,7 +10,7 @@ Usage:
     mirage cleanup [--dry-run]                 reclaim what SIGKILLed runs left
     mirage paths [--json]
     mirage profiles [--json]
-    mirage profiles show NAME|PATH [--json]
+    mirage profiles show NAME|PATH [--json] [--timing [--timing-tuning FILE]]
 
 `mirage run` runs CMD (and every Python process it starts) with N emulated GPUs of profile P
 (default mi350x, N defaults to the profile's GPUs per node) on each of M emulated nodes: once
@@ -85,6 +86,13 @@ def _build_parser() -> _Parser:
                      help="end the session when ranks wait this long in a collective (default 300)")
     run.add_argument("--quiet", action="store_true", help="no summary table at the end")
     run.add_argument("--summary-json", metavar="PATH", help="write the end-of-session summary as JSON")
+    run.add_argument("--timing", action="store_true",
+                     help="clocked mode: predict how long the job takes on the profiled hardware")
+    run.add_argument("--trace", metavar="PATH", help="with --timing: write the predicted timeline (Perfetto)")
+    run.add_argument("--virtual-clock", action="store_true",
+                     help="with --timing: time.time/perf_counter/monotonic in the workload follow the prediction")
+    run.add_argument("--timing-tuning", metavar="FILE",
+                     help="with --timing: a TOML file overriding the profile's timing numbers")
     run.add_argument("--clear-env-vars", action="store_true",
                      help="start from an almost empty environment (PATH, HOME, USER, LANG, ...)")
 
@@ -111,6 +119,9 @@ def _build_parser() -> _Parser:
     show = show_commands.add_parser("show", help="print one profile", allow_abbrev=False)
     show.add_argument("name", help="profile name or TOML path")
     show.add_argument("--json", action="store_true", help="print JSON")
+    show.add_argument("--timing", action="store_true",
+                      help="print clocked mode's numbers, each with its kind and source")
+    show.add_argument("--timing-tuning", metavar="FILE", help="with --timing: apply a tuning file's overrides")
     return parser
 
 
@@ -195,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             command=command, profile=args.profile, gpus_per_node=args.gpus_per_node,
             num_nodes=args.num_nodes, nproc_per_node=args.nproc_per_node, in_process=args.in_process,
             hang_timeout=args.hang_timeout, quiet=args.quiet, summary_json=args.summary_json,
-            env=args.env, workdir=args.workdir, clear_env=args.clear_env_vars,
+            env=args.env, workdir=args.workdir, clear_env=args.clear_env_vars, timing=args.timing,
+            trace=args.trace, virtual_clock=args.virtual_clock, timing_tuning=args.timing_tuning,
         )
         try:
             return launcher.run_session(request)
@@ -224,10 +236,31 @@ def main(argv: list[str] | None = None) -> int:
         return sessions.paths(args.json)
     if args.command == "profiles":
         if args.profiles_command == "show":
+            if args.timing or args.timing_tuning:
+                return _print_timing(args.name, args.timing_tuning, args.json)
             return _print_profile(args.name, args.json)
         return _print_profiles(args.json)
     parser.print_help()
     return 2
+
+
+def _print_timing(name: str, tuning_path: str | None, as_json: bool) -> int:
+    """`mirage profiles show NAME --timing`: clocked mode's numbers with their provenance."""
+    try:
+        profile = profiles.load(name)
+        tuning = profiles.load_tuning(tuning_path) if tuning_path else None
+        numbers = profiles.timing_numbers(profile, tuning)
+    except profiles.ProfileError as err:
+        print(f"mirage: error: {err}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps([asdict(n) for n in numbers], indent=2))
+        return 0
+    print(f"{profile.name}: clocked mode's model ({profile.path})")
+    width = max(len(n.key) for n in numbers)
+    for n in numbers:
+        print(f"  {n.key:<{width}}  {n.value:<10g} {n.kind:<9}  {n.source}")
+    return 0
 
 
 if __name__ == "__main__":

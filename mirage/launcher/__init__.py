@@ -27,7 +27,7 @@ from mirage.launcher import environment
 from mirage.daemon import shared_table
 from mirage.daemon.flight_recorder import FlightRecorder
 from mirage.daemon.service import SessionService
-from mirage.launcher import summary
+from mirage.launcher import summary, timing_report
 from mirage.launcher.supervisor import Supervisor, stdin_has_input, write_or_discard
 from mirage.runtime import visible_devices
 from mirage.shim import build as shim_build
@@ -66,6 +66,10 @@ class RunRequest:
     hang_timeout: float = 300.0
     quiet: bool = False
     summary_json: str | None = None
+    timing: bool = False                 # clocked mode: predict the run on the profiled hardware
+    trace: str | None = None             # write the predicted timeline (Chrome/Perfetto trace)
+    virtual_clock: bool = False          # the workload's time.* follow the predicted clock
+    timing_tuning: str | None = None     # a TOML file overriding the model's numbers
 
 
 def runtime_root() -> Path:
@@ -129,8 +133,32 @@ def validate(request: RunRequest) -> tuple[profiles.Profile, int]:
         environment.parse_assignments(request.env)
     except ValueError as err:
         raise UsageError(str(err)) from None
+    _validate_timing(request, profile)
     check_torch_is_cpu_build()
     return profile, gpus
+
+
+def _validate_timing(request: RunRequest, profile: profiles.Profile) -> None:
+    """Clocked mode's flags, refused before anything starts when they cannot work."""
+    for flag, given in (("--trace", request.trace), ("--virtual-clock", request.virtual_clock),
+                        ("--timing-tuning", request.timing_tuning)):
+        if given and not request.timing:
+            raise UsageError(f"{flag} needs clocked mode: add --timing (mirage run --timing {flag} ... -- CMD)")
+    if not request.timing:
+        return
+    try:
+        tuning = profiles.load_tuning(request.timing_tuning) if request.timing_tuning else None
+        profiles.timing_model(profile, tuning)
+    except profiles.ProfileError as err:
+        raise UsageError(str(err)) from None
+    if request.trace:
+        target = Path(request.trace).expanduser()
+        if target.is_dir():
+            raise UsageError(f"--trace {request.trace} is a directory; give a file path, e.g. {target / 'trace.json'}")
+        folder = target.parent if str(target.parent) else Path(".")
+        if not folder.is_dir() or not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+            raise UsageError(f"--trace {request.trace}: cannot write there ({folder} is not a writable directory); "
+                             "choose a path in a directory you can write")
 
 
 def free_port() -> int:
@@ -212,6 +240,19 @@ def process_start_time(pid: int) -> str:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
+def _finish_timing(request: RunRequest, profile: profiles.Profile, directory: Path) -> dict | None:
+    """Clocked mode's end: the predicted timing report on stderr, and the trace file."""
+    if not request.timing:
+        return None
+    reports = timing_report.collect(directory)
+    report = timing_report.build(reports, profile)
+    write_or_discard(sys.stderr, (timing_report.render(report) + "\n").encode())
+    if request.trace:
+        events = timing_report.write_trace(reports, str(Path(request.trace).expanduser()))
+        narrate(f"trace of the predicted timeline: {request.trace} ({events} events; open it in ui.perfetto.dev)")
+    return report
+
+
 def run_session(request: RunRequest) -> int:
     """Runs the request as one session; returns the exit code for the shell."""
     profile, gpus = validate(request)
@@ -227,6 +268,7 @@ def run_session(request: RunRequest) -> int:
         shim = ensure_shim()
         scratch = session_dir / "tmp"
         scratch.mkdir(mode=0o700)
+        timing_dir = session_dir / "timing"
         processes = placements(request.num_nodes, request.nproc_per_node)
         narrate(f"session {session_id} ({request.num_nodes} node(s) x {gpus} x {profile.torch_name}, "
                 f"{len(processes)} process(es))")
@@ -240,6 +282,15 @@ def run_session(request: RunRequest) -> int:
             # Scratch (torchrun's error files, tempfile) lives and dies with the session.
             "TMPDIR": str(scratch),
         }
+        if request.timing:
+            timing_dir.mkdir(mode=0o700)
+            emulator.update({"MIRAGE_TIMING": "1", "MIRAGE_TIMING_DIR": str(timing_dir)})
+            if request.trace:
+                emulator["MIRAGE_TRACE"] = "1"
+            if request.virtual_clock:
+                emulator["MIRAGE_VIRTUAL_CLOCK"] = "1"
+            if request.timing_tuning:
+                emulator["MIRAGE_TIMING_TUNING"] = str(Path(request.timing_tuning).expanduser().resolve())
         user = environment.parse_assignments(request.env)
         port = free_port()
         per_node = request.nproc_per_node or 1
@@ -306,9 +357,12 @@ def run_session(request: RunRequest) -> int:
         return exit_code
     finally:
         supervisor.teardown()
+        timing = _finish_timing(request, profile, session_dir / "timing")
         if service is not None:
             service.stop()
             report = summary.build(service, supervisor.exit_codes, exit_code)
+            if timing is not None:
+                report["timing"] = timing
             if not request.quiet:
                 write_or_discard(sys.stderr, (summary.render(report) + "\n").encode())
             if request.summary_json:

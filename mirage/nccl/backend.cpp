@@ -17,6 +17,7 @@
 // pending send and receive at once, as NCCL's stream would, so isend/irecv in any order and
 // batch_isend_irecv never deadlock.
 
+#include "../shim/device_clock.h"
 #include "gloo_on_device.h"
 #include "transport.h"
 
@@ -211,7 +212,7 @@ struct Record {
   OpType type = OpType::UNKNOWN;
   std::vector<std::vector<int64_t>> input_sizes, output_sizes;
   std::string dtype;
-  int64_t numel_in = 0, numel_out = 0, bytes = 0;
+  int64_t numel_in = 0, numel_out = 0, bytes = 0, bytes_out = 0;
   std::string reduce_op;
   int peer = -1;               // p2p: the other group rank
   CallSite call_site;          // python_call_site()
@@ -281,11 +282,25 @@ class EmulatedWork final : public c10d::Work {
     future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(), devices);
   }
 
-  // Completes the work (and its future); an error is kept for wait() to raise.
+  // Clocked mode: the operation ends at `end_ns` on `stream` (its communicator's) of `device`.
+  void set_predicted_end(int device, int64_t stream, int64_t end_ns) {
+    clock_device_ = device;
+    clock_stream_ = stream;
+    end_ns_ = end_ns;
+  }
+
+  // Completes the work (and its future); an error is kept for wait() to raise. In clocked mode
+  // the future's events are recorded on the communicator's stream, as ProcessGroupNCCL's are,
+  // so whoever waits on the future (DDP's reducer) waits for the operation's predicted end.
   void complete(std::exception_ptr error = nullptr) {
     duration_ms_ = std::chrono::duration<float, std::milli>(Clock::now() - started_).count();
     if (error) {
       future_->setError(error);
+    } else if (clock_device_ >= 0) {
+      c10::StreamGuard on_comm_stream(
+          c10::Stream(c10::Stream::UNSAFE, c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(clock_device_)),
+                      clock_stream_));
+      future_->markCompleted(c10::IValue(outputs_));
     } else {
       future_->markCompleted(c10::IValue(outputs_));
     }
@@ -315,6 +330,7 @@ class EmulatedWork final : public c10d::Work {
                       " timed out in blocking wait after " + std::to_string(timeout.count()) + " ms.");
     }
     if (exception_) std::rethrow_exception(exception_);
+    if (clock_device_ >= 0) mirage_clock_current_stream_waits(clock_device_, end_ns_);  // the caller's stream waits
     return true;
   }
 
@@ -330,6 +346,8 @@ class EmulatedWork final : public c10d::Work {
   float duration_ms_ = 0;
   bool timed_ = false;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  int clock_device_ = -1;  // clocked mode: where and when the operation ends
+  int64_t clock_stream_ = 0, end_ns_ = 0;
 };
 
 // A work made of others (the coalesced ops of a batch): complete when all of them are.
@@ -848,6 +866,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
     for (const auto& t : outs) {
       r.output_sizes.push_back(t.sizes().vec());
       r.numel_out += t.numel();
+      r.bytes_out += nbytes(t);
     }
     const auto& any = !ins.empty() ? ins : outs;
     if (!any.empty()) r.dtype = dtype_name(any[0].scalar_type());
@@ -1028,6 +1047,8 @@ class ProcessGroupNCCL final : public c10d::Backend {
       finish_trace(r);
       record(r, false);
     };
+    const bool clocked = mirage_timing_enabled() && barrier_device_ >= 0;
+    if (clocked) timing_.ready_ns = mirage_clock_ready(barrier_device_, comm_stream());
     try {
       comm_->check_usable(timing_.what);
       run();
@@ -1038,10 +1059,40 @@ class ProcessGroupNCCL final : public c10d::Backend {
       throw;
     }
     finished();
+    if (clocked && !error) {
+      const auto [kind, bus_bytes] = bus_shape(r);
+      const int64_t cost = mirage_collective_cost_ns(kind, bus_bytes, size_, nodes_in_group_);
+      const int64_t end = mirage_clock_collective(barrier_device_, comm_stream(), comm_->agreed_ready_ns(), cost,
+                                                  profiling, bus_bytes);
+      work->set_predicted_end(barrier_device_, comm_stream(), end);
+    }
     work->complete(error);
     std::lock_guard<std::mutex> g(mu_);
     if (coalescing_) coalesced_.push_back(work);
     return work;
+  }
+
+  // Clocked mode: the communicator's own stream (ProcessGroupNCCL takes one per device).
+  int64_t comm_stream() {
+    if (comm_stream_ < 0) comm_stream_ = mirage_clock_new_stream();
+    return comm_stream_;
+  }
+
+  // The collective as nccl-tests size it: its kind (mirage::nccl::Kind) and the bytes its bus
+  // factor applies to (the buffer for all_reduce, broadcast, reduce; the whole gathered or
+  // scattered buffer for all_gather, reduce_scatter, all_to_all, gather, scatter).
+  std::pair<int, int64_t> bus_shape(const Record& r) const {
+    const std::string& name = r.name;
+    const int64_t out_bytes = r.bytes_out;
+    if (name.rfind("all_reduce", 0) == 0) return {static_cast<int>(Kind::kAllReduce), r.bytes};
+    if (name.rfind("all_gather", 0) == 0) return {static_cast<int>(Kind::kAllGather), std::max(out_bytes, r.bytes * size_)};
+    if (name.rfind("reduce_scatter", 0) == 0) return {static_cast<int>(Kind::kReduceScatter), std::max(r.bytes, out_bytes * size_)};
+    if (name == "broadcast") return {static_cast<int>(Kind::kBroadcast), r.bytes};
+    if (name == "reduce") return {static_cast<int>(Kind::kReduce), r.bytes};
+    if (name == "gather") return {static_cast<int>(Kind::kGather), r.bytes * size_};
+    if (name == "scatter") return {static_cast<int>(Kind::kScatter), out_bytes * size_};
+    if (name.rfind("all_to_all", 0) == 0) return {static_cast<int>(Kind::kAllToAll), r.bytes};
+    return {static_cast<int>(Kind::kBarrier), 0};
   }
 
   void gather_flat(const at::Tensor& out, const at::Tensor& in) {
@@ -1083,6 +1134,11 @@ class ProcessGroupNCCL final : public c10d::Backend {
     for (int r = 0; r < size_; ++r) to.push_back(reinterpret_cast<char*>(all.data() + 2 * r));
     Timing timing{Clock::now() + options_->timeout, options_->timeout, "the communicator's first collective"};
     comm_->all_gather(to, reinterpret_cast<const char*>(mine), 2, at::kLong, timing);
+    std::vector<int64_t> hosts;
+    for (int r = 0; r < size_; ++r) hosts.push_back(all[2 * r]);
+    host_of_rank_ = hosts;
+    std::sort(hosts.begin(), hosts.end());
+    nodes_in_group_ = static_cast<int>(std::unique(hosts.begin(), hosts.end()) - hosts.begin());
     for (int a = 0; a < size_; ++a) {
       for (int b = 0; b < a; ++b) {
         if (all[2 * a] == all[2 * b] && all[2 * a + 1] == all[2 * b + 1] && (a == rank_ || b == rank_)) {
@@ -1146,6 +1202,16 @@ class ProcessGroupNCCL final : public c10d::Backend {
     record_param_comms(p.record, tensors, tensors);
     if (measure_durations_) p.work->time_it();
     p.transfer = Transfer{sending, peer, data(t), static_cast<size_t>(nbytes(t)), Clock::now() + timeout, timeout};
+    if (mirage_timing_enabled() && t.is_cuda()) {
+      // Clocked mode: on this rank's side only, from when its stream reaches it (the peer's
+      // clock does not travel with the message).
+      const int device = t.device().index();
+      const bool across = static_cast<size_t>(peer) < host_of_rank_.size() && host_of_rank_[peer] != host_of_rank_[rank_];
+      const int64_t cost = mirage_collective_cost_ns(9, nbytes(t), 2, across ? 2 : 1);
+      const int64_t end = mirage_clock_collective(device, comm_stream(), mirage_clock_ready(device, comm_stream()), cost,
+                                                  sending ? "nccl:send" : "nccl:recv", nbytes(t));
+      p.work->set_predicted_end(device, comm_stream(), end);
+    }
     keep_trace(p.record);
     record(p.record, true);
     c10::intrusive_ptr<EmulatedWork> work = p.work;
@@ -1239,6 +1305,9 @@ class ProcessGroupNCCL final : public c10d::Backend {
   Timing timing_;  // of the collective in progress (under collective_mu_)
   std::atomic<uint64_t> seq_{0}, p2p_seq_{0};
   bool gpus_checked_ = false;
+  int nodes_in_group_ = 1;               // emulated nodes the group spans (from the first collective)
+  std::vector<int64_t> host_of_rank_;    // each rank's node (its NCCL_HOSTID's hash)
+  int64_t comm_stream_ = -1;             // clocked mode: the communicator's stream
   int barrier_device_ = -1;  // see barrier()
   std::atomic<bool> failed_{false};
   std::mutex mu_;  // coalescing state and the point-to-point queue

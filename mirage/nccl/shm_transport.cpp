@@ -426,7 +426,10 @@ void ShmCommunicator::barrier(const Timing& timing) {
 
 // The barrier after a chunk's copy-in; on a call's first chunk, also the comparison of calls.
 void ShmCommunicator::exchange(int buffer, const Call& asked, bool first_chunk, const Timing& timing) {
-  if (first_chunk) *call(buffer, rank_) = asked;
+  if (first_chunk) {
+    *call(buffer, rank_) = asked;
+    call(buffer, rank_)->ready_ns = timing.ready_ns;
+  }
   barrier(timing);
   if (first_chunk) check_calls_match(call(buffer, 0), asked, timing.what);
 }

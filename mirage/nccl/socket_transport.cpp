@@ -93,10 +93,11 @@ class SocketCommunicator final : public Communicator {
   void agree(const Call& asked, const Timing& timing) override {
     std::vector<Call> calls(static_cast<size_t>(size_));
     calls[rank_] = asked;
+    calls[rank_].ready_ns = timing.ready_ns;
     std::vector<Transfer> transfers;
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) continue;
-      transfers.push_back(send(r, const_cast<Call*>(&asked), sizeof(Call), timing));
+      transfers.push_back(send(r, &calls[rank_], sizeof(Call), timing));
       transfers.push_back(recv(r, &calls[r], sizeof(Call), timing));
     }
     transfer(transfers, 1, timing.what, {}, {});

@@ -2,6 +2,7 @@
 
 #include "transport.h"
 
+#include <algorithm>
 #include <ATen/Dispatch.h>
 #include <c10/util/Exception.h>
 
@@ -174,6 +175,8 @@ void Communicator::check_usable(const std::string& what) const {
 void Communicator::check_calls_match(const Call* calls, const Call& asked, const std::string& what) {
   bool all_match = true;
   for (int r = 0; r < size_ && all_match; ++r) all_match = calls[r] == asked;
+  agreed_ready_ns_ = 0;
+  for (int r = 0; r < size_; ++r) agreed_ready_ns_ = std::max(agreed_ready_ns_, calls[r].ready_ns);
   if (all_match) return;
   std::ostringstream report;
   for (int r = 0; r < size_; ++r) report << "\n  group rank " << r << ": " << describe(calls[r]);

@@ -42,7 +42,11 @@ struct Call {
   int32_t op_or_root;  // the reduce op, or the root
   int32_t padding = 0;  // numel stays 8-byte aligned in shared memory
   int64_t numel;  // per rank (all_gather: the input; reduce_scatter: the output); -1: may differ
-  bool operator==(const Call&) const = default;
+  // Clocked mode: when this rank's stream lets the call start (predicted ns); not compared.
+  int64_t ready_ns = 0;
+  bool operator==(const Call& o) const {
+    return kind == o.kind && dtype == o.dtype && op_or_root == o.op_or_root && numel == o.numel;
+  }
 };
 
 // Where a collective must be done by, and how to name it if it is not.
@@ -51,6 +55,7 @@ struct Timing {
   std::chrono::milliseconds timeout;
   std::string what;   // e.g. "WorkNCCL(SeqNum=3, OpType=ALLREDUCE, ...)"
   uint64_t seq = 0;   // the call's number in its group, the same on every rank
+  int64_t ready_ns = 0;  // clocked mode: when this rank may start the call (Call::ready_ns)
 };
 
 // How the reduction treats the contributions (NCCL's ops; bitwise ones do not exist in NCCL).
@@ -122,6 +127,9 @@ class Communicator {
 
   // Refuses a communicator that failed before (a timeout or a desync).
   void check_usable(const std::string& what) const;
+  // Clocked mode: the latest ready time of all ranks in the last call compared, which is when a
+  // collective starts (the last rank to reach it starts it).
+  int64_t agreed_ready_ns() const { return agreed_ready_ns_; }
 
  protected:
   Communicator(int rank, int size, std::string instance) : instance_(std::move(instance)), rank_(rank), size_(size) {}
@@ -137,6 +145,7 @@ class Communicator {
   std::string instance_;
   int rank_, size_;
   std::atomic<bool> unusable_{false};  // written by the point-to-point worker too
+  int64_t agreed_ready_ns_ = 0;
 };
 
 // acc = acc (op) x, elementwise, in `dtype` (bool as uint8). Plain loops, vectorised by the

@@ -8,6 +8,7 @@ must stay free of launcher imports.
 
 from __future__ import annotations
 
+import difflib
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,9 @@ class Profile:
     # library workspaces): counted as the process's non-PyTorch memory from its first allocation.
     context_bytes: int
     peak_tflops: dict[str, float] = field(default_factory=dict)
+    # Clocked mode's model: [timing] key -> {value, kind, source}, and [timing.inputs]: where the
+    # profile's own figures the model reads come from (see TIMING_KEYS, timing_model).
+    timing: dict = field(default_factory=dict)
     path: Path = Path()
 
     @property
@@ -80,7 +84,30 @@ _FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "board_power_watts": ((int, float), "a positive number"),
     "context_bytes": ((int,), "an integer >= 0"),
     "peak_tflops": ((dict,), "a table of dtype = TFLOP/s"),
+    "timing": ((dict,), "a table of clocked mode's numbers (see mirage/profiles/data/h100.toml)"),
 }
+_OPTIONAL = {"timing"}
+
+# Clocked mode's own numbers, each a [timing] entry {value, kind, source}.
+TIMING_KEYS: dict[str, str] = {
+    "launch_us": "host time per kernel launch (the host's clock advances by it per op)",
+    "kernel_overhead_us": "a kernel's fixed cost on the device",
+    "memory_efficiency": "the fraction of memory_bandwidth_gbs streaming kernels reach",
+    "host_link_gbs": "achievable host <-> device copy bandwidth, GB/s",
+    "gemm_efficiency": "the fraction of peak_tflops large GEMMs reach",
+    "gemm_tile_m": "GEMM output tile rows (wave quantisation)",
+    "gemm_tile_n": "GEMM output tile columns (wave quantisation)",
+    "nccl_bus_efficiency": "the fraction of one direction of link_bandwidth_gbs NCCL's busbw reaches",
+    "nvls_bus_efficiency": "all_reduce's busbw with NVLink SHARP, as a fraction of one link direction (0: none)",
+    "nccl_latency_us": "a collective's fixed cost within a node",
+    "nic_bandwidth_gbs": "network bandwidth per GPU across nodes, GB/s",
+    "nic_efficiency": "the fraction of nic_bandwidth_gbs NCCL reaches",
+    "nic_latency_us": "added per doubling of nodes",
+}
+# The profile's own figures the model reads, as model keys.
+TIMING_INPUTS = ("memory_bandwidth_gbs", "link_bandwidth_gbs", "compute_units", "peak_tflops.bf16",
+                 "peak_tflops.fp16", "peak_tflops.fp8", "peak_tflops.fp32", "peak_tflops.tf32")
+PROVENANCE_KINDS = ("published", "derived", "measured", "assumed")
 
 
 def _check(path: Path, data: dict) -> Profile:
@@ -97,6 +124,8 @@ def _check(path: Path, data: dict) -> Profile:
         )
     for name, (types, _) in _FIELDS.items():
         value = data.get(name)
+        if value is None and name in _OPTIONAL:
+            continue
         if value is None or isinstance(value, bool) or not isinstance(value, types):
             raise bad(name)
     if data["vendor"] not in VENDORS:
@@ -116,10 +145,117 @@ def _check(path: Path, data: dict) -> Profile:
     peaks = data["peak_tflops"]
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in peaks.values()):
         raise bad("peak_tflops")
+    if "timing" in data:
+        _check_timing(path, data["timing"])
     return Profile(
         **{**data, "compute_capability": tuple(capability), "peak_tflops": dict(peaks)},
         path=path,
     )
+
+
+def _nearest(key: str, known) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.4)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _check_timing(path: Path, table: dict) -> None:
+    """Every [timing] entry is a known key with a number, a provenance kind and a source."""
+    for key, entry in table.items():
+        if key == "inputs":
+            continue
+        if key not in TIMING_KEYS:
+            raise ProfileError(f"profile {path}: unknown [timing] key '{key}'{_nearest(key, TIMING_KEYS)}; "
+                               f"the keys are {', '.join(TIMING_KEYS)}")
+        if not isinstance(entry, dict) or not _is_number(entry.get("value")) \
+                or entry.get("kind") not in PROVENANCE_KINDS or not isinstance(entry.get("source"), str):
+            raise ProfileError(f"profile {path}: [timing] {key} must be {{ value = <number>, kind = one of "
+                               f"{', '.join(PROVENANCE_KINDS)}, source = \"...\" }}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class TimingNumber:
+    """One number of clocked mode's model, with where it comes from."""
+
+    key: str
+    value: float
+    kind: str  # published, derived, measured, assumed
+    source: str
+
+
+def timing_numbers(profile: Profile, tuning: dict[str, TimingNumber] | None = None) -> list[TimingNumber]:
+    """Every number clocked mode's model uses for `profile`, the tuning file's overrides applied;
+    a profile without a [timing] table raises ProfileError naming the fix."""
+    missing = [key for key in TIMING_KEYS if key not in profile.timing]
+    if missing:
+        raise ProfileError(f"profile {profile.path} has no clocked-mode numbers ({', '.join(missing)} missing "
+                           "from its [timing] table); copy the table from a shipped profile "
+                           f"({DATA_DIR / 'h100.toml'}) and adjust it")
+    inputs = profile.timing.get("inputs", {})
+    numbers = [TimingNumber(key, float(profile.timing[key]["value"]), profile.timing[key]["kind"],
+                            profile.timing[key]["source"]) for key in TIMING_KEYS]
+    peaks = profile.peak_tflops
+    for key in TIMING_INPUTS:
+        field_name, _, dtype = key.partition(".")
+        origin = inputs.get(field_name, {"kind": "published", "source": f"{profile.path.name}: {field_name}"})
+        if not dtype:
+            numbers.append(TimingNumber(key, float(getattr(profile, field_name)), origin["kind"], origin["source"]))
+        elif dtype in peaks:
+            numbers.append(TimingNumber(key, float(peaks[dtype]), origin["kind"], origin["source"]))
+        else:  # no such units: what the GPU runs that dtype's matmuls on instead
+            stand_in = "fp32" if dtype == "tf32" else "fp16"
+            numbers.append(TimingNumber(key, float(peaks.get(stand_in, peaks.get("fp32", 1.0))), "derived",
+                                        f"the GPU has no {dtype} units: its {stand_in} rate"))
+    if tuning:
+        numbers = [tuning.get(n.key, n) for n in numbers]
+    return numbers
+
+
+def timing_model(profile: Profile, tuning: dict[str, TimingNumber] | None = None) -> str:
+    """The model as the shim reads it (MIRAGE_TIMING_MODEL): "key=value,..."."""
+    return ",".join(f"{n.key}={n.value!r}" for n in timing_numbers(profile, tuning))
+
+
+def load_tuning(path: str | Path) -> dict[str, TimingNumber]:
+    """A --timing-tuning file: a TOML table of existing model keys, each a number or
+    {value, kind, source} (bench/calibrate.py writes the latter). An unknown key is an error
+    naming the nearest one."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ProfileError(f"timing tuning file {path} does not exist; pass a TOML file of model keys "
+                           "(`mirage profiles show NAME --timing` lists them)")
+    try:
+        data = tomllib.loads(file.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ProfileError(f"timing tuning file {path} is not valid TOML: {err}") from None
+
+    def flatten(table: dict, prefix: str = "") -> dict:
+        flat = {}
+        for key, value in table.items():
+            if isinstance(value, dict) and "value" not in value:
+                flat.update(flatten(value, f"{prefix}{key}."))
+            else:
+                flat[f"{prefix}{key}"] = value
+        return flat
+
+    known = list(TIMING_KEYS) + list(TIMING_INPUTS)
+    tuned = {}
+    for key, value in flatten(data).items():
+        if key not in known:
+            raise ProfileError(f"timing tuning file {path}: unknown key '{key}'{_nearest(key, known)}; "
+                               f"the keys are {', '.join(known)}")
+        entry = value if isinstance(value, dict) else {"value": value}
+        if not _is_number(entry.get("value")):
+            raise ProfileError(f"timing tuning file {path}: '{key}' must be a number or {{ value = <number>, ... }}")
+        kind = entry.get("kind", "measured")
+        if kind not in PROVENANCE_KINDS:
+            raise ProfileError(f"timing tuning file {path}: '{key}' has kind '{kind}'; "
+                               f"it must be one of {', '.join(PROVENANCE_KINDS)}")
+        tuned[key] = TimingNumber(key, float(entry["value"]), kind, entry.get("source", f"tuning file {file}"))
+    return tuned
 
 
 def builtin_names() -> list[str]:

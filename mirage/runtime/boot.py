@@ -32,6 +32,9 @@ def _export_for_shim() -> None:
     os.environ["MIRAGE_VENDOR"] = profile.vendor
     visible = visible_devices.visible_gpus(int(os.environ.get("MIRAGE_NUM_GPUS", "0")), profile.is_amd, os.environ)
     os.environ["MIRAGE_VISIBLE_GPUS"] = ",".join(map(str, visible))
+    if os.environ.get("MIRAGE_TIMING"):  # clocked mode's model, as the shim's cost model reads it
+        tuning = os.environ.get("MIRAGE_TIMING_TUNING")
+        os.environ["MIRAGE_TIMING_MODEL"] = profiles.timing_model(profile, profiles.load_tuning(tuning) if tuning else None)
 
 
 class _TorchImportHook(importlib.abc.MetaPathFinder):

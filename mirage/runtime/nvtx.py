@@ -5,8 +5,8 @@ functions not installed" and frameworks that annotate every forward (DeepSpeed's
 them) fail on their first step. On a GPU box with no profiler attached the calls do nothing
 visible either. Here each thread keeps its stack of open range names, so a push returns the
 zero-based depth of the range it opened (as torch documents) and a pop the depth of the one it
-closed (-1 with nothing open, as NVTX reports an unmatched pop); that stack is where a session
-trace can read the names of the ranges work runs under.
+closed (-1 with nothing open, as NVTX reports an unmatched pop). In clocked mode the ranges go
+into the trace on the host's predicted clock, and the mark "mirage.step" ends a step.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 import itertools
 import threading
 from types import ModuleType, SimpleNamespace
+
+from mirage.runtime import timing
 
 _open = threading.local()  # .names: this thread's stack of open push/pop ranges
 _started: dict[int, str] = {}  # range_start ids (may end on another thread) -> their names
@@ -34,6 +36,7 @@ def open_ranges() -> tuple[str, ...]:
 def range_push(message: str) -> int:
     names = _names()
     names.append(str(message))
+    timing.on_range_push(names[-1])
     return len(names) - 1
 
 
@@ -42,6 +45,7 @@ def range_pop() -> int:
     if not names:
         return -1
     names.pop()
+    timing.on_range_pop()
     return len(names)
 
 
@@ -56,7 +60,8 @@ def range_end(range_id: int) -> None:
 
 
 def mark(message: str) -> None:
-    """A point event; nothing to keep."""
+    """A point event: in clocked mode, "mirage.step" ends a step of the report."""
+    timing.on_nvtx_mark(str(message))
 
 
 def device_range_start(message: str, stream: int = 0) -> int:

@@ -15,7 +15,7 @@ from types import ModuleType
 
 from mirage import profiles
 from mirage.runtime import (autograd_threads, cuda_comm, cuda_graphs, cuda_ipc, cuda_memory, cuda_runtime, cudnn, inductor,
-                            device_queries, distributed, legacy_tensor_types, nvtx, visible_devices)
+                            device_queries, distributed, legacy_tensor_types, nvtx, visible_devices, timing)
 
 # What a ROCm / CUDA build of torch 2.13 reports as its toolkit version.
 _HIP_VERSION = "7.0.51831-a3e329ad8"
@@ -198,6 +198,12 @@ def install(torch: ModuleType) -> None:
             torch.Stream(stream_id=stream_id, device_index=device_index, device_type=device_type)
         )
 
+    def synchronize() -> None:
+        """The host waits for the current device: in clocked mode its predicted work (work is
+        done once issued); refused while a CUDA graph is captured, as on a GPU."""
+        torch.ops.mirage.graph_check_not_capturing()
+        torch.ops.mirage.clock_synchronize()
+
     bindings = {
         "_cuda_getDeviceCount": lambda: count,
         "_cuda_getDevice": C._accelerator_getDeviceIndex,
@@ -208,7 +214,7 @@ def install(torch: ModuleType) -> None:
         "_cuda_isInBadFork": lambda: False,  # host memory survives fork
         "_cuda_getArchFlags": lambda: profile.arch,
         "_cuda_getCompiledVersion": lambda: 70051831 if profile.is_amd else 12080,
-        "_cuda_synchronize": torch.ops.mirage.graph_check_not_capturing,  # work is done once issued
+        "_cuda_synchronize": synchronize,
         "_cuda_emptyCache": C._accelerator_emptyCache,
         "_cuda_memoryStats": C._accelerator_getDeviceStats,
         "_cuda_resetPeakMemoryStats": C._accelerator_resetPeakStats,
@@ -284,3 +290,4 @@ def install(torch: ModuleType) -> None:
     legacy_tensor_types.install(torch)
     distributed.install(torch)
     inductor.install(torch)
+    timing.install(torch)

@@ -1,6 +1,8 @@
 // The CUDA device guard (c10::impl::DeviceGuardImplInterface): current device, streams, events.
 #include "device_guard.h"
 
+#include "device_clock.h"
+
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <atomic>
@@ -9,6 +11,15 @@
 namespace mirage {
 
 static std::atomic<c10::StreamId> g_next_stream_id{1};
+
+c10::StreamId new_stream_id() { return g_next_stream_id++; }
+
+// What an event holds: when it was recorded (ns: host time, or in clocked mode predicted time).
+struct RecordedEvent {
+  int64_t ns = 0;
+  DeviceIndex device = 0;
+  bool recorded = false;
+};
 
 struct MirageGuard final : c10::impl::DeviceGuardImplInterface {
   DeviceType type() const override { return DeviceType::CUDA; }
@@ -28,7 +39,7 @@ struct MirageGuard final : c10::impl::DeviceGuardImplInterface {
   }
   c10::Stream getDefaultStream(c10::Device d) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
   c10::Stream getNewStream(c10::Device d, int) const override {
-    return c10::Stream(c10::Stream::UNSAFE, d, g_next_stream_id++);
+    return c10::Stream(c10::Stream::UNSAFE, d, new_stream_id());
   }
   c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override { return getNewStream(d, 0); }
   c10::Stream exchangeStream(c10::Stream s) const override {
@@ -37,23 +48,44 @@ struct MirageGuard final : c10::impl::DeviceGuardImplInterface {
     return old;
   }
   DeviceIndex deviceCount() const noexcept override { return config().num_devices; }
-  // Work is synchronous, so an event is just the host time at which it was recorded (ms).
-  void record(void** event, const c10::Stream&, const DeviceIndex, const c10::EventFlag) const override {
-    if (*event == nullptr) *event = new double(0);
-    *static_cast<double*>(*event) =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  // Work is done when issued, so without clocked mode an event is the host time at which it
+  // was recorded; in clocked mode, its stream's predicted clock (device_clock.h).
+  void record(void** event, const c10::Stream& stream, const DeviceIndex, const c10::EventFlag) const override {
+    if (*event == nullptr) *event = new RecordedEvent{};
+    auto* e = static_cast<RecordedEvent*>(*event);
+    e->recorded = true;
+    e->device = stream.device_index();
+    if (timing()) {
+      e->ns = stream_time(stream.device_index(), stream.id());
+    } else {
+      e->ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+                  .count();
+    }
   }
-  void destroyEvent(void* event, const DeviceIndex) const noexcept override { delete static_cast<double*>(event); }
-  void block(void*, const c10::Stream&) const override {}
+  void destroyEvent(void* event, const DeviceIndex) const noexcept override { delete static_cast<RecordedEvent*>(event); }
+  // wait_event: the stream's later work starts after the event.
+  void block(void* event, const c10::Stream& stream) const override {
+    auto* e = static_cast<RecordedEvent*>(event);
+    if (timing() && e && e->recorded) stream_waits_for(stream.device_index(), stream.id(), e->ns);
+  }
   bool queryEvent(void*) const override { return true; }
   bool queryStream(const c10::Stream&) const override { return true; }
-  void synchronizeStream(const c10::Stream&) const override {}
-  void synchronizeEvent(void*) const override {}
-  void synchronizeDevice(const DeviceIndex) const override {}
+  void synchronizeStream(const c10::Stream& stream) const override {
+    if (timing()) host_waits_for(stream_time(stream.device_index(), stream.id()));
+  }
+  void synchronizeEvent(void* event) const override {
+    auto* e = static_cast<RecordedEvent*>(event);
+    if (timing() && e && e->recorded) host_waits_for(e->ns);
+  }
+  void synchronizeDevice(const DeviceIndex device) const override {
+    if (timing()) host_waits_for(device_time(device < 0 ? tl_device : device));
+  }
   void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
   double elapsedTime(void* start, void* end, const DeviceIndex) const override {
     TORCH_CHECK(start && end, "Both events must be recorded before calculating elapsed time.");
-    return *static_cast<double*>(end) - *static_cast<double*>(start);
+    auto* from = static_cast<RecordedEvent*>(start);
+    auto* to = static_cast<RecordedEvent*>(end);
+    return static_cast<double>(to->ns - from->ns) / 1e6;
   }
 };
 C10_REGISTER_GUARD_IMPL(CUDA, MirageGuard);

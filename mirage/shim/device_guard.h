@@ -13,4 +13,7 @@ namespace mirage {
 inline thread_local DeviceIndex tl_device = 0;
 inline thread_local std::array<c10::StreamId, kMaxDevices> tl_stream{};
 
+// A stream id no stream had (torch.cuda.Stream, a communicator's stream).
+c10::StreamId new_stream_id();
+
 }  // namespace mirage

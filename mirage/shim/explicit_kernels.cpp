@@ -9,6 +9,8 @@
 #include "host_views.h"
 #include "op_path.h"
 #include "busy_time.h"
+#include "device_clock.h"
+#include "op_cost.h"
 
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
@@ -42,8 +44,25 @@ static at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
       c10::DispatchKeySet(c10::DispatchKey::CUDA), c10::dtype_or_default(dtype));
 }
 
+// Clocked mode: a copy is a kernel on the current stream of its device (the destination's, or
+// the source's for a copy to the host), over the host link when it crosses it; the host waits
+// for it unless it is non-blocking with pinned host memory, as cudaMemcpyAsync would.
+static void clock_copy(const at::Tensor& self, const at::Tensor& src, bool non_blocking) {
+  if (tl_kernel_depth > 0) return;
+  const at::Tensor& on_device = self.is_cuda() ? self : src;
+  const at::Tensor& host_side = self.is_cuda() ? src : self;
+  const bool crosses_host = !self.is_cuda() || !src.is_cuda();
+  const DeviceIndex dev = on_device.device().index();
+  const int64_t bytes = static_cast<int64_t>(self.numel() * self.itemsize());
+  const int64_t end = run_on_stream(dev, tl_stream[dev], copy_cost_ns(bytes, crosses_host),
+                                    crosses_host ? WorkKind::kCopy : WorkKind::kMemory, crosses_host ?
+                                    (self.is_cuda() ? "Memcpy HtoD" : "Memcpy DtoH") : "Memcpy DtoD", bytes, 0);
+  const bool async = non_blocking && host_side.is_pinned();
+  if (crosses_host && !async) host_waits_for(end);
+}
+
 // Any direction between host and device, or between devices: the bytes are all host memory.
-static at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool) {
+static at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool non_blocking) {
   if (capturing()) {
     if (!self.is_cuda() || !src.is_cuda()) refuse_during_capture();  // a host copy syncs the stream
     record_step([into = graph_reference(self), from = graph_reference(src)]() mutable { into.copy_(from); });
@@ -53,6 +72,7 @@ static at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool) {
   at::Tensor src_cpu = src.is_cuda() ? cpu_alias(src) : src;
   BusyTimer busy(self.is_cuda() ? self.device().index() : src.is_cuda() ? src.device().index() : -1);
   at::_ops::copy_::redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), dst_cpu, src_cpu, false);
+  if (timing() && (self.is_cuda() || src.is_cuda())) clock_copy(self, src, non_blocking);
   return self;
 }
 

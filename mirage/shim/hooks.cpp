@@ -1,5 +1,6 @@
 // What torch asks a CUDA build for through registries, at import and later: the CUDA hooks
 // (hasCUDA, device count, generators, pinned memory) and DDP's reducer timer.
+#include "device_clock.h"
 #include "device_guard.h"
 #include "device_memory.h"
 #include "generators.h"
@@ -42,7 +43,9 @@ struct MirageHooks final : at::CUDAHooksInterface {
   c10::Allocator* getPinnedMemoryAllocator() const override { return &g_pinned; }
   c10::Allocator* getCUDADeviceAllocator() const override { return current_device_allocator(); }
   c10::Device getDeviceFromPtr(void*) const override { return c10::Device(DeviceType::CUDA, tl_device); }
-  void deviceSynchronize(DeviceIndex) const override {}
+  void deviceSynchronize(DeviceIndex device) const override {
+    if (timing()) host_waits_for(device_time(device < 0 ? tl_device : device));
+  }
 };
 }  // namespace mirage
 

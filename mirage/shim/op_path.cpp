@@ -6,13 +6,17 @@
 #include "device_guard.h"
 #include "generators.h"
 #include "graph_capture.h"
+#include "device_clock.h"
 #include "host_views.h"
+#include "op_cost.h"
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
+#include <vector>
 
 namespace mirage {
 
@@ -36,13 +40,16 @@ struct Aliased {
       "API (e.g. torch.nn.functional), which takes an emulated path.");
 }
 
-// What the fallback reads of an operator's schema, read once per thread and operator: walking
+// What the op path reads of an operator's schema, read once per thread and operator: walking
 // the schema (argument types, alias annotations) on every call cost more than the lookup.
 struct OpTraits {
   const c10::Argument* arguments = nullptr;  // tells a schema re-registered at the same address
   uint32_t num_args = 0;
   uint32_t num_returns = 0;
   bool is_mutable = false;
+  bool returns_view = false;   // its result aliases an argument (no kernel on a GPU)
+  bool has_flops = false;      // torch.utils.flop_counter has its formula (clocked mode)
+  bool synchronizes = false;   // a GPU's host waits for it (.item(), nonzero's output size)
   c10::SmallVector<uint32_t, 2> generator_args;  // Generator? arguments, which the CPU kernel must get
 };
 
@@ -52,7 +59,7 @@ static const OpTraits& traits_of(const c10::FunctionSchema& schema) {
   const auto& args = schema.arguments();
   if (traits.arguments != args.data() || traits.num_args != args.size()) {
     traits = OpTraits{args.data(), static_cast<uint32_t>(args.size()),
-                      static_cast<uint32_t>(schema.returns().size()), schema.is_mutable(), {}};
+                      static_cast<uint32_t>(schema.returns().size()), schema.is_mutable(), false, false, false, {}};
     for (uint32_t i = 0; i < args.size(); ++i) {
       const auto& type = args[i].type();
       if (type->kind() == c10::TypeKind::OptionalType &&
@@ -60,74 +67,91 @@ static const OpTraits& traits_of(const c10::FunctionSchema& schema) {
         traits.generator_args.push_back(i);
       }
     }
+    const auto& returns = schema.returns();
+    traits.returns_view = !returns.empty() && returns[0].alias_info() && !returns[0].alias_info()->isWrite();
+    if (timing()) {
+      static const std::unordered_set<std::string> synchronizing{
+          "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique_dim",
+          "aten::_unique2", "aten::unique_consecutive", "aten::equal", "aten::is_nonzero"};
+      traits.has_flops = has_flop_formula(schema);
+      traits.synchronizes = synchronizing.count(schema.name()) != 0;
+    }
   }
   return traits;
 }
 
-void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
-  if (capturing()) return capture_op(op, stack);
-  const OpTraits& traits = traits_of(op.schema());
-  const size_t num_args = traits.num_args;
-  const size_t base = stack->size() - num_args;
+// One call of an operator on the op path: its device arguments aliased as CPU tensors, the CPU
+// kernel run on them, its CPU results turned into device tensors.
+struct OpCall {
+  const c10::OperatorHandle& op;
+  const OpTraits& traits;
+  torch::jit::Stack* stack;
   c10::SmallVector<Aliased, 8> aliased;
-  DeviceIndex target = -1;
-  bool has_cpu_tensor = false;
-  c10::Device cpu_device(DeviceType::CPU);
+  DeviceIndex device = -1;
+  int64_t bytes = 0;                    // what the kernel reads and writes (clocked mode)
+  std::vector<c10::IValue> arguments;   // kept for the FLOP formula (clocked mode)
 
-  // Replaces a device tensor with its CPU alias; checks device agreement as PyTorch does.
-  auto convert = [&](const at::Tensor& t, bool allow_cpu) -> at::Tensor {
-    if (!t.defined()) return t;
-    if (t.device().type() != DeviceType::CUDA) {
-      if (!allow_cpu && t.dim() > 0) {
-        if (target >= 0) device_mismatch(c10::Device(DeviceType::CUDA, target), t.device(), op);
-        has_cpu_tensor = true;
+  // Replaces every device tensor among the arguments with its CPU alias, checking that all are on
+  // one device as PyTorch does; gives the CPU kernel the device's generator where it takes one.
+  void alias_arguments() {
+    const size_t base = stack->size() - traits.num_args;
+    if (C10_UNLIKELY(traits.has_flops)) arguments.assign(stack->begin() + base, stack->end());
+    bool has_cpu_tensor = false;
+    const bool count_bytes = timing();
+    c10::Device cpu_device(DeviceType::CPU);
+    auto convert = [&](const at::Tensor& t, bool allow_cpu) -> at::Tensor {
+      if (!t.defined()) return t;
+      if (t.device().type() != DeviceType::CUDA) {
+        if (!allow_cpu && t.dim() > 0) {
+          if (device >= 0) device_mismatch(c10::Device(DeviceType::CUDA, device), t.device(), op);
+          has_cpu_tensor = true;
+        }
+        return t;
       }
-      return t;
+      DeviceIndex d = t.device().index();
+      if (device < 0) {
+        if (has_cpu_tensor) device_mismatch(t.device(), cpu_device, op);
+        device = d;
+      } else if (d != device) {
+        device_mismatch(c10::Device(DeviceType::CUDA, device), t.device(), op);
+      }
+      if (count_bytes) bytes += static_cast<int64_t>(t.numel() * t.itemsize());
+      at::Tensor a = cpu_alias(t);
+      aliased.push_back({t, a});
+      return a;
+    };
+    for (size_t i = 0; i < traits.num_args; ++i) {
+      c10::IValue& iv = (*stack)[base + i];
+      if (iv.isTensor()) {
+        iv = convert(iv.toTensor(), false);
+      } else if (iv.isTensorList()) {
+        map_tensor_lists(iv, [&](const at::Tensor& t) { return convert(t, false); });
+      } else if (iv.isOptionalTensorList()) {
+        // Index lists: real CUDA accepts CPU index tensors here.
+        auto list = iv.toOptionalTensorList();
+        for (size_t j = 0; j < list.size(); ++j) {
+          std::optional<at::Tensor> e = list[j];
+          if (e.has_value()) list[j] = convert(*e, true);
+        }
+        iv = std::move(list);
+      } else if (iv.isList()) {  // Tensor[][] (c10d's allgather / reduce_scatter outputs)
+        map_tensor_lists(iv, [&](const at::Tensor& t) { return convert(t, false); });
+      } else if (iv.isDevice()) {
+        c10::Device d = iv.toDevice();
+        if (d.is_cuda()) {
+          if (device < 0) device = d.has_index() ? d.index() : tl_device;
+          iv = c10::IValue(cpu_device);
+        }
+      }
     }
-    DeviceIndex d = t.device().index();
-    if (target < 0) {
-      if (has_cpu_tensor) device_mismatch(t.device(), cpu_device, op);
-      target = d;
-    } else if (d != target) {
-      device_mismatch(c10::Device(DeviceType::CUDA, target), t.device(), op);
-    }
-    at::Tensor a = cpu_alias(t);
-    aliased.push_back({t, a});
-    return a;
-  };
-
-  for (size_t i = 0; i < num_args; ++i) {
-    c10::IValue& iv = (*stack)[base + i];
-    if (iv.isTensor()) {
-      iv = convert(iv.toTensor(), false);
-    } else if (iv.isTensorList()) {
-      map_tensor_lists(iv, [&](const at::Tensor& t) { return convert(t, false); });
-    } else if (iv.isOptionalTensorList()) {
-      // Index lists: real CUDA accepts CPU index tensors here.
-      auto list = iv.toOptionalTensorList();
-      for (size_t j = 0; j < list.size(); ++j) {
-        std::optional<at::Tensor> e = list[j];
-        if (e.has_value()) list[j] = convert(*e, true);
-      }
-      iv = std::move(list);
-    } else if (iv.isList()) {  // Tensor[][] (c10d's allgather / reduce_scatter outputs)
-      map_tensor_lists(iv, [&](const at::Tensor& t) { return convert(t, false); });
-    } else if (iv.isDevice()) {
-      c10::Device d = iv.toDevice();
-      if (d.is_cuda()) {
-        if (target < 0) target = d.has_index() ? d.index() : tl_device;
-        iv = c10::IValue(cpu_device);
-      }
+    if (device < 0) device = tl_device;
+    for (uint32_t i : traits.generator_args) {
+      c10::IValue& iv = (*stack)[base + i];
+      if (iv.isNone()) iv = c10::IValue(default_generator(device));
     }
   }
-  if (target < 0) target = tl_device;
-  for (uint32_t i : traits.generator_args) {
-    c10::IValue& iv = (*stack)[base + i];
-    if (iv.isNone()) iv = c10::IValue(default_generator(target));
-  }
 
-  {
-    BusyTimer busy(target);
+  void run_cpu_kernel() {
     try {
       op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
     } catch (const c10::NotImplementedError&) {
@@ -136,52 +160,95 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
     }
   }
 
-  // Writes (in-place / out=) may have resized an alias: carry that back to the device tensor.
-  if (!aliased.empty() && traits.is_mutable) {
-    for (auto& a : aliased) sync_back(a.orig, a.alias);
+  // Writes (in-place / out=) may have resized an alias: that goes back to the device tensor.
+  // Results: an alias itself -> the original; a view of an alias -> a view of the original
+  // storage; anything else is fresh CPU memory, re-labelled as memory of the device (in place
+  // where the result alone holds it, else on a new device storage shared by its views), which
+  // is where the allocator model counts it.
+  void adopt_results() {
+    if (!aliased.empty() && traits.is_mutable) {
+      for (auto& a : aliased) sync_back(a.orig, a.alias);
+    }
+    c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 2> adopted;
+    auto map_back = [&](const at::Tensor& out) -> at::Tensor {
+      if (!out.defined() || out.device().type() != DeviceType::CPU || out.layout() != c10::kStrided) return out;
+      c10::StorageImpl* s = out.storage().unsafeGetStorageImpl();
+      for (auto& a : aliased) {
+        if (a.alias.unsafeGetTensorImpl() == out.unsafeGetTensorImpl()) return a.orig;
+      }
+      for (auto& a : aliased) {
+        if (a.alias.storage().unsafeGetStorageImpl() == s) return on_storage(a.orig.storage(), out);
+      }
+      for (auto& p : adopted) {
+        if (p.first == s) return on_storage(p.second, out);
+      }
+      adopted.emplace_back(s, adopt_storage(out.storage(), device));
+      return on_storage(adopted.back().second, out);
+    };
+    const size_t ret_base = stack->size() - traits.num_returns;
+    for (size_t i = 0; i < traits.num_returns; ++i) {
+      c10::IValue& iv = (*stack)[ret_base + i];
+      if (iv.isTensor()) {
+        // The common case, one fresh tensor that nothing else holds: take it out of the IValue so
+        // that the IValue's reference does not count, re-label it, put it back.
+        at::Tensor out = std::move(iv).toTensor();
+        if (out.defined() && out.device().type() == DeviceType::CPU && out.layout() == c10::kStrided &&
+            relabel_in_place(out, device)) {
+          iv = std::move(out);
+          continue;
+        }
+        iv = map_back(out);
+      } else {
+        map_tensor_lists(iv, map_back);
+      }
+    }
   }
 
-  // Map results: an alias itself -> the original; a view of an alias -> a view of the original
-  // storage; anything else is fresh CPU memory, re-labelled as memory of the target device (in
-  // place where the result alone holds it, else on a new device storage shared by its views).
-  c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 2> adopted;
-  auto map_back = [&](const at::Tensor& out) -> at::Tensor {
-    if (!out.defined() || out.device().type() != DeviceType::CPU || out.layout() != c10::kStrided) return out;
-    c10::StorageImpl* s = out.storage().unsafeGetStorageImpl();
-    for (auto& a : aliased) {
-      if (a.alias.unsafeGetTensorImpl() == out.unsafeGetTensorImpl()) return a.orig;
-    }
-    for (auto& a : aliased) {
-      if (a.alias.storage().unsafeGetStorageImpl() == s) return on_storage(a.orig.storage(), out);
-    }
-    for (auto& p : adopted) {
-      if (p.first == s) return on_storage(p.second, out);
-    }
-    adopted.emplace_back(s, adopt_storage(out.storage(), target));
-    return on_storage(adopted.back().second, out);
-  };
-  const size_t num_returns = traits.num_returns;
-  const size_t ret_base = stack->size() - num_returns;
-  for (size_t i = 0; i < num_returns; ++i) {
-    c10::IValue& iv = (*stack)[ret_base + i];
-    if (iv.isTensor()) {
-      // The common case, one fresh tensor that nothing else holds: take it out of the IValue so
-      // that the IValue's reference does not count, re-label it, put it back.
-      at::Tensor out = std::move(iv).toTensor();
-      if (out.defined() && out.device().type() == DeviceType::CPU && out.layout() == c10::kStrided &&
-          relabel_in_place(out, target)) {
-        iv = std::move(out);
-        continue;
+  // Clocked mode: the kernel's place on the predicted timeline of its device's current stream.
+  void clock() {
+    if (traits.returns_view || tl_kernel_depth > 0) return;  // a view launches nothing; a fused kernel is timed whole
+    const size_t ret_base = stack->size() - traits.num_returns;
+    const c10::IValue* results = stack->data() + ret_base;
+    at::ScalarType dtype = at::kFloat;
+    for (size_t i = 0; i < traits.num_returns; ++i) {
+      if (results[i].isTensor() && results[i].toTensor().defined()) {
+        const at::Tensor& out = results[i].toTensor();
+        if (out.is_cuda()) bytes += static_cast<int64_t>(out.numel() * out.itemsize());
       }
-      iv = map_back(out);
-    } else {
-      map_tensor_lists(iv, map_back);
+    }
+    if (!aliased.empty()) dtype = aliased.front().orig.scalar_type();
+    double flops = 0;
+    int64_t tiles = 0;
+    if (traits.has_flops) {
+      flops = flop_count(op, arguments, results, traits.num_returns);
+      tiles = gemm_tiles(op.schema(), results, traits.num_returns);
+    }
+    const KernelCost cost = kernel_cost(flops, bytes, dtype, tiles);
+    const int64_t end = run_on_stream(device, tl_stream[device], cost.ns, cost.kind, op.schema().name().c_str(),
+                                      bytes, flops);
+    if (traits.synchronizes) host_waits_for(end);
+  }
+
+  // Aliases nobody kept go back to the thread's spares.
+  void release_aliases() {
+    for (auto& a : aliased) {
+      a.orig.reset();
+      recycle_alias(std::move(a.alias));
     }
   }
-  for (auto& a : aliased) {
-    a.orig.reset();
-    recycle_alias(std::move(a.alias));
+};
+
+void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  if (capturing()) return capture_op(op, stack);  // recorded for replay, not run
+  OpCall call{op, traits_of(op.schema()), stack};
+  call.alias_arguments();
+  {
+    BusyTimer busy(call.device);  // utilization (host time)
+    call.run_cpu_kernel();
   }
+  call.adopt_results();           // memory accounting (the allocator model)
+  if (timing()) call.clock();     // the predicted timeline
+  call.release_aliases();
 }
 
 // Aten ops with a CPU kernel but no CUDA kernel would otherwise reach CUDA through a

@@ -1,0 +1,84 @@
+// Clocked mode (mirage run --timing): each emulated GPU keeps a predicted clock per stream, and
+// the host a predicted clock of its own, so that events, synchronisation and the end-of-run
+// report follow the profiled hardware instead of this machine.
+//
+// The rules are a GPU's: a kernel starts at max(its stream's clock, the host's launch time) and
+// ends after its cost (op_cost.h); the host advances by the profile's launch cost per kernel,
+// not by this machine's speed, so the same run predicts the same figures on a loaded machine;
+// an event takes its stream's clock when recorded; wait_event / wait_stream move a stream's
+// clock forward; synchronize, .item() and blocking host copies move the host's. Collectives
+// (the emulated NCCL) run on their communicator's stream from the last rank's ready time.
+//
+// Without MIRAGE_TIMING nothing here runs: every entry point is behind timing().
+#pragma once
+
+#include "config.h"
+
+#include <c10/core/Stream.h>
+
+#include <cstdint>
+
+namespace mirage {
+
+inline bool timing() {
+  static const bool on = std::getenv("MIRAGE_TIMING") != nullptr && *std::getenv("MIRAGE_TIMING");
+  return on;
+}
+
+// What bounded a piece of device work (the report's split of a step).
+enum class WorkKind : uint8_t { kCompute = 0, kMemory = 1, kCollective = 2, kCopy = 3 };
+
+// One piece of work on the predicted timeline, for the report and the trace.
+struct Interval {
+  int64_t start, end;   // ns of predicted time
+  const char* name;     // the operator's name (stable: schema strings, literals)
+  int64_t bytes;
+  double flops;
+  c10::StreamId stream;
+  WorkKind kind;
+  DeviceIndex device;
+};
+
+// Puts work of `cost_ns` on `stream` of `dev`, issued by the host now: returns when it ends.
+int64_t run_on_stream(DeviceIndex dev, c10::StreamId stream, int64_t cost_ns, WorkKind kind, const char* name,
+                      int64_t bytes, double flops);
+// Work whose start was agreed elsewhere (a collective, from every rank's ready time).
+int64_t run_at(DeviceIndex dev, c10::StreamId stream, int64_t start, int64_t cost_ns, WorkKind kind,
+               const char* name, int64_t bytes, double flops);
+int64_t stream_time(DeviceIndex dev, c10::StreamId stream);
+void stream_waits_for(DeviceIndex dev, c10::StreamId stream, int64_t t);
+// Every stream of `dev` done.
+int64_t device_time(DeviceIndex dev);
+int64_t host_time();
+void host_waits_for(int64_t t);
+
+// Device work made of other device work (a fused kernel written over ATen, a compiled graph):
+// the outermost scope on a thread is the kernel; the ops inside it are not timed on their own.
+inline thread_local int tl_kernel_depth = 0;
+struct KernelScope {
+  KernelScope() : outermost(tl_kernel_depth++ == 0) {}
+  ~KernelScope() { --tl_kernel_depth; }
+  KernelScope(const KernelScope&) = delete;
+  KernelScope& operator=(const KernelScope&) = delete;
+  const bool outermost;
+};
+
+}  // namespace mirage
+
+// For the emulated NCCL (another library, loaded after the shim): its communicator's stream and
+// the collectives' place on the timeline.
+extern "C" {
+int mirage_timing_enabled();
+int64_t mirage_clock_new_stream();
+// The earliest a collective issued now on `comm_stream` may start on this rank: after the work
+// queued on it, after the caller's current stream (ProcessGroupNCCL's syncStream), after launch.
+int64_t mirage_clock_ready(int device, int64_t comm_stream);
+// The collective, from `start` (every rank's latest ready time) for `cost_ns`: returns its end.
+int64_t mirage_clock_collective(int device, int64_t comm_stream, int64_t start, int64_t cost_ns, const char* name,
+                                int64_t bytes);
+// Work::wait: the caller's current stream waits for `t`.
+void mirage_clock_current_stream_waits(int device, int64_t t);
+// The predicted duration of a collective (op_cost.cpp): kind as mirage::nccl::Kind, `bytes` the
+// per-rank buffer NCCL's busbw formulas use, across `nodes` emulated nodes.
+int64_t mirage_collective_cost_ns(int kind, int64_t bytes, int ranks, int nodes);
+}

@@ -1,0 +1,273 @@
+// The cost model (op_cost.h): its parameters, kernels, copies, collectives, FLOP counts.
+#include "op_cost.h"
+
+#include "device_guard.h"
+
+#include <ATen/Context.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace mirage {
+
+namespace {
+
+// MIRAGE_TIMING_MODEL: "key=value,key=value" (mirage/runtime/timing.py writes it from the
+// profile's [timing] table and the tuning file). A missing key is mirage's bug, not the user's.
+std::map<std::string, double> read_parameters() {
+  std::map<std::string, double> values;
+  const char* text = std::getenv("MIRAGE_TIMING_MODEL");
+  std::string all = text ? text : "";
+  size_t at = 0;
+  while (at < all.size()) {
+    size_t comma = all.find(',', at);
+    if (comma == std::string::npos) comma = all.size();
+    const std::string item = all.substr(at, comma - at);
+    const size_t eq = item.find('=');
+    if (eq != std::string::npos) values[item.substr(0, eq)] = std::strtod(item.c_str() + eq + 1, nullptr);
+    at = comma + 1;
+  }
+  return values;
+}
+
+double need(const std::map<std::string, double>& values, const char* key) {
+  auto it = values.find(key);
+  TORCH_CHECK(it != values.end(), "mirage: clocked mode's model has no '", key, "' (MIRAGE_TIMING_MODEL)");
+  return it->second;
+}
+
+CostModel load_model() {
+  const auto p = read_parameters();
+  constexpr double kGBs = 1.0;  // 1 GB/s = 1 byte/ns
+  constexpr double kTflops = 1e3;  // 1 TFLOP/s = 1000 FLOP/ns
+  CostModel m{};
+  m.launch_ns = static_cast<int64_t>(need(p, "launch_us") * 1e3);
+  m.kernel_fixed_ns = need(p, "kernel_overhead_us") * 1e3;
+  m.memory_bytes_per_ns = need(p, "memory_bandwidth_gbs") * need(p, "memory_efficiency") * kGBs;
+  m.host_link_bytes_per_ns = need(p, "host_link_gbs") * kGBs;
+  m.flops_per_ns_bf16 = need(p, "peak_tflops.bf16") * kTflops;
+  m.flops_per_ns_fp16 = need(p, "peak_tflops.fp16") * kTflops;
+  m.flops_per_ns_fp8 = need(p, "peak_tflops.fp8") * kTflops;
+  m.flops_per_ns_fp32 = need(p, "peak_tflops.fp32") * kTflops;
+  m.flops_per_ns_tf32 = need(p, "peak_tflops.tf32") * kTflops;
+  m.gemm_efficiency = need(p, "gemm_efficiency");
+  m.tile_m = static_cast<int64_t>(need(p, "gemm_tile_m"));
+  m.tile_n = static_cast<int64_t>(need(p, "gemm_tile_n"));
+  m.compute_units = static_cast<int64_t>(need(p, "compute_units"));
+  // A GPU's links are quoted both directions together; a ring uses one direction of each.
+  const double link_one_way = need(p, "link_bandwidth_gbs") / 2 * kGBs;
+  m.bus_bytes_per_ns = link_one_way * need(p, "nccl_bus_efficiency");
+  m.nvls_bytes_per_ns = link_one_way * need(p, "nvls_bus_efficiency");
+  m.bus_latency_ns = need(p, "nccl_latency_us") * 1e3;
+  m.nic_bytes_per_ns = need(p, "nic_bandwidth_gbs") * need(p, "nic_efficiency") * kGBs;
+  m.nic_latency_ns = need(p, "nic_latency_us") * 1e3;
+  m.p2p_bytes_per_ns = link_one_way * need(p, "nccl_bus_efficiency");
+  return m;
+}
+
+double peak_flops_per_ns(const CostModel& m, at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kBFloat16: return m.flops_per_ns_bf16;
+    case at::kHalf: return m.flops_per_ns_fp16;
+    case at::kFloat8_e4m3fn:
+    case at::kFloat8_e5m2:
+    case at::kFloat8_e4m3fnuz:
+    case at::kFloat8_e5m2fnuz: return m.flops_per_ns_fp8;
+    case at::kFloat:  // TF32 tensor cores only where torch allows them (allow_tf32 / matmul precision)
+      return at::globalContext().allowTF32CuBLAS() ? m.flops_per_ns_tf32 : m.flops_per_ns_fp32;
+    default: return m.flops_per_ns_fp32;  // other dtypes: the vector units at best
+  }
+}
+
+// The aten operators torch.utils.flop_counter has a formula for (set once by the runtime).
+struct FlopOps {
+  std::shared_mutex mu;
+  std::unordered_set<std::string> names;
+  std::unordered_map<std::string, double> counted;  // by operator and argument shapes
+};
+FlopOps& flop_ops() {
+  static FlopOps f;
+  return f;
+}
+
+// What determines a FLOP count: the operator, its tensors' shapes and dtypes, its other arguments.
+void append_key(std::string& key, const c10::IValue& v) {
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    if (!t.defined()) {
+      key += 'u';
+      return;
+    }
+    key += 't';
+    key += static_cast<char>(t.scalar_type());
+    for (int64_t d : t.sizes()) key.append(reinterpret_cast<const char*>(&d), sizeof d);
+  } else if (v.isInt()) {
+    const int64_t i = v.toInt();
+    key += 'i';
+    key.append(reinterpret_cast<const char*>(&i), sizeof i);
+  } else if (v.isBool()) {
+    key += v.toBool() ? 'T' : 'F';
+  } else if (v.isDouble()) {
+    const double d = v.toDouble();
+    key += 'd';
+    key.append(reinterpret_cast<const char*>(&d), sizeof d);
+  } else if (v.isList()) {
+    key += '[';
+    for (const c10::IValue& e : v.toListRef()) append_key(key, e);
+    key += ']';
+  } else {
+    key += '?';
+  }
+}
+
+}  // namespace
+
+const CostModel& cost_model() {
+  static const CostModel m = load_model();
+  return m;
+}
+
+KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, int64_t tiles) {
+  const CostModel& m = cost_model();
+  double compute = 0;
+  if (flops > 0) {
+    double quantisation = 1;
+    if (tiles > 0) {
+      const int64_t waves = (tiles + m.compute_units - 1) / m.compute_units;
+      quantisation = static_cast<double>(tiles) / static_cast<double>(waves * m.compute_units);
+    }
+    compute = flops / (peak_flops_per_ns(m, dtype) * m.gemm_efficiency * quantisation);
+  }
+  const double memory = static_cast<double>(bytes) / m.memory_bytes_per_ns;
+  const double ns = std::max(compute, memory) + m.kernel_fixed_ns;
+  return {static_cast<int64_t>(std::llround(ns)), flops > 0 && compute >= memory ? WorkKind::kCompute : WorkKind::kMemory};
+}
+
+int64_t copy_cost_ns(int64_t bytes, bool crosses_host) {
+  const CostModel& m = cost_model();
+  if (!crosses_host) return kernel_cost(0, 2 * bytes, at::kByte, 0).ns;  // read and write on the device
+  return static_cast<int64_t>(std::llround(static_cast<double>(bytes) / m.host_link_bytes_per_ns + m.kernel_fixed_ns));
+}
+
+bool has_flop_formula(const c10::FunctionSchema& schema) {
+  FlopOps& f = flop_ops();
+  std::shared_lock<std::shared_mutex> g(f.mu);
+  return f.names.count(schema.name()) != 0;
+}
+
+double flop_count(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args, const c10::IValue* results,
+                  size_t num_results) {
+  const c10::FunctionSchema& schema = op.schema();
+  std::string key = schema.name() + "." + schema.overload_name() + ":";
+  for (const auto& a : args) append_key(key, a);
+  FlopOps& f = flop_ops();
+  {
+    std::shared_lock<std::shared_mutex> g(f.mu);
+    auto it = f.counted.find(key);
+    if (it != f.counted.end()) return it->second;
+  }
+  static const c10::OperatorHandle counter = c10::Dispatcher::singleton().findSchemaOrThrow("mirage::flop_count", "");
+  c10::impl::GenericList arg_list(c10::AnyType::get()), result_list(c10::AnyType::get());
+  for (const auto& a : args) arg_list.push_back(a);
+  for (size_t i = 0; i < num_results; ++i) result_list.push_back(results[i]);
+  const std::string name = schema.name() + (schema.overload_name().empty() ? "" : "." + schema.overload_name());
+  torch::jit::Stack stack{c10::IValue(name), c10::IValue(arg_list), c10::IValue(result_list)};
+  double flops = 0;
+  {
+    KernelScope inside;  // the formula's own tensor work (if any) is not device work
+    counter.callBoxed(&stack);
+    flops = stack.back().toDouble();
+  }
+  std::unique_lock<std::shared_mutex> g(f.mu);
+  f.counted.emplace(std::move(key), flops);
+  return flops;
+}
+
+int64_t gemm_tiles(const c10::FunctionSchema& schema, const c10::IValue* results, size_t num_results) {
+  static const std::unordered_set<std::string> gemms{"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+                                                     "aten::_scaled_mm"};
+  if (num_results == 0 || !results[0].isTensor() || !gemms.count(schema.name())) return 0;
+  const at::Tensor& out = results[0].toTensor();
+  if (out.dim() < 2) return 0;
+  const CostModel& m = cost_model();
+  int64_t batch = 1;
+  for (int64_t d = 0; d < out.dim() - 2; ++d) batch *= out.size(d);
+  const int64_t rows = out.size(-2), cols = out.size(-1);
+  return batch * ((rows + m.tile_m - 1) / m.tile_m) * ((cols + m.tile_n - 1) / m.tile_n);
+}
+
+void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs,
+                        std::initializer_list<at::Tensor> outputs, bool causal) {
+  const at::Tensor& first = *inputs.begin();
+  const DeviceIndex dev = first.device().index();
+  int64_t bytes = 0;
+  std::vector<c10::IValue> args, results;
+  for (const at::Tensor& t : inputs) {
+    bytes += t.defined() ? static_cast<int64_t>(t.numel() * t.itemsize()) : 0;
+    args.emplace_back(t);
+  }
+  for (const at::Tensor& t : outputs) {
+    bytes += t.defined() ? static_cast<int64_t>(t.numel() * t.itemsize()) : 0;
+    results.emplace_back(t);
+  }
+  const c10::OperatorHandle handle = c10::Dispatcher::singleton().findSchemaOrThrow(op, "");
+  const double counted = has_flop_formula(handle.schema()) ? flop_count(handle, args, results.data(), results.size()) : 0;
+  const double flops = causal ? counted / 2 : counted;
+  const KernelCost cost = kernel_cost(flops, bytes, first.scalar_type(), 0);
+  run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, handle.schema().name().c_str(), bytes, flops);
+}
+
+}  // namespace mirage
+
+// nccl-tests' bus factor (mirage::nccl::Kind order): what each rank's links carry per byte of
+// `bytes` among `n` ranks.
+static double bus_factor(int kind, double n) {
+  switch (kind) {
+    case 0: return 2 * (n - 1) / n;  // all_reduce
+    case 1:                          // all_gather (bytes: the gathered total)
+    case 2:                          // reduce_scatter (bytes: the scattered total)
+    case 5:                          // gather
+    case 6:                          // scatter
+    case 7: return (n - 1) / n;      // all_to_all
+    case 8: return 0;                // barrier: latency only
+    default: return 1;               // broadcast, reduce, send/recv
+  }
+}
+
+extern "C" int64_t mirage_collective_cost_ns(int kind, int64_t bytes, int ranks, int nodes) {
+  const mirage::CostModel& m = mirage::cost_model();
+  if (ranks <= 1) return 0;
+  const double n = ranks, size = static_cast<double>(bytes);
+  const double per_node = std::max(1.0, n / std::max(nodes, 1));
+  double bus = kind == 9 ? m.p2p_bytes_per_ns : m.bus_bytes_per_ns;
+  // NVLink SHARP reduces in the switch: NCCL takes it for all_reduce on more than 4 GPUs a node.
+  if (kind == 0 && m.nvls_bytes_per_ns > 0 && per_node > 4) bus = m.nvls_bytes_per_ns;
+  double transfer = size * bus_factor(kind, n) / bus;
+  double latency = m.bus_latency_ns;
+  if (nodes > 1) {
+    const double across = kind == 9 ? size
+                          : kind == 7 ? size * (n - per_node) / n  // the share that leaves the node
+                                      : size / per_node * bus_factor(kind, nodes);
+    transfer = std::max(transfer, across / m.nic_bytes_per_ns);
+    latency += m.nic_latency_ns * std::ceil(std::log2(static_cast<double>(nodes)));
+  }
+  return static_cast<int64_t>(std::llround(latency + transfer));
+}
+
+TORCH_LIBRARY_FRAGMENT(mirage, m) {
+  // Implemented in Python (mirage/runtime/timing.py) over torch.utils.flop_counter's registry.
+  m.def("flop_count(str op, Any[] args, Any[] results) -> float");
+  m.def("clock_set_flop_ops(str[] names) -> ()", [](std::vector<std::string> names) {
+    mirage::FlopOps& f = mirage::flop_ops();
+    std::unique_lock<std::shared_mutex> g(f.mu);
+    f.names = std::unordered_set<std::string>(names.begin(), names.end());
+  });
+}

@@ -1,0 +1,67 @@
+// The cost model of clocked mode: how long a kernel, a copy or a collective takes on the
+// profiled GPU. Every number comes from the profile's [timing] table (or the user's tuning
+// file), handed over by the runtime in MIRAGE_TIMING_MODEL; mirage/profiles says where each
+// comes from. The formulas:
+//   kernel      max(FLOPs / (peak(dtype) x GEMM efficiency x wave quantisation),
+//                   bytes / (HBM bandwidth x memory efficiency)) + fixed kernel cost
+//               FLOPs from torch.utils.flop_counter's formulas (matmul family, convolution,
+//               attention and their backwards); bytes: the tensors the kernel reads and writes
+//   copy        bytes / host-link bandwidth (host <-> device), else as a memory-bound kernel
+//   collective  latency + bytes x NCCL's bus factor / achievable bus bandwidth (nccl-tests'
+//               busbw) within a node; across nodes the hierarchical algorithm's slower phase:
+//               the node's links, or each GPU's NIC carrying its 1/g share between the nodes.
+#pragma once
+
+#include "device_clock.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <vector>
+
+namespace mirage {
+
+struct CostModel {
+  int64_t launch_ns;              // host time per kernel launch
+  double kernel_fixed_ns;         // a kernel's fixed cost (launch latency, ramp, tail)
+  double memory_bytes_per_ns;     // achievable HBM bandwidth
+  double host_link_bytes_per_ns;  // achievable host <-> device bandwidth
+  double flops_per_ns_bf16, flops_per_ns_fp16, flops_per_ns_fp8, flops_per_ns_fp32, flops_per_ns_tf32;
+  double gemm_efficiency;         // the fraction of peak large GEMMs reach
+  int64_t tile_m, tile_n, compute_units;
+  double bus_bytes_per_ns;        // achievable busbw within a node
+  double nvls_bytes_per_ns;       // all_reduce's busbw with NVLink SHARP (0: the profile has none)
+  double bus_latency_ns;          // a collective's fixed cost within a node
+  double nic_bytes_per_ns;        // achievable busbw per GPU across nodes
+  double nic_latency_ns;          // added per doubling of nodes
+  double p2p_bytes_per_ns;        // one direction of one GPU's links (send/recv)
+};
+const CostModel& cost_model();
+
+struct KernelCost {
+  int64_t ns;
+  WorkKind kind;
+};
+// `tiles`: output tiles of a GEMM (0: not a GEMM), for wave quantisation.
+KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, int64_t tiles);
+int64_t copy_cost_ns(int64_t bytes, bool crosses_host);
+
+// torch.utils.flop_counter's count for one call of `op` (its registry, through the Python
+// operator mirage::flop_count the runtime implements); cached per operator and argument shapes.
+bool has_flop_formula(const c10::FunctionSchema& schema);
+double flop_count(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                  const c10::IValue* results, size_t num_results);
+// A GEMM's output tiles (wave quantisation); 0 for other operators.
+int64_t gemm_tiles(const c10::FunctionSchema& schema, const c10::IValue* results, size_t num_results);
+
+// A fused kernel written over ATen (flash attention): its place on the timeline as one kernel,
+// FLOPs from `op`'s formula over its leading tensor arguments, halved for causal attention (the
+// fused kernels skip the masked half; torch's formula counts it). Call with a KernelScope held
+// around the kernel's ATen work, and only when that scope is the outermost.
+void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs,
+                        std::initializer_list<at::Tensor> outputs, bool causal);
+
+}  // namespace mirage
