@@ -5,6 +5,7 @@
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 
@@ -55,8 +56,8 @@ struct MirageGuard final : c10::impl::DeviceGuardImplInterface {
     auto* e = static_cast<RecordedEvent*>(*event);
     e->recorded = true;
     e->device = stream.device_index();
-    if (timing()) {
-      e->ns = stream_time(stream.device_index(), stream.id());
+    if (timing()) {  // an idle stream reaches the record when the host issues it
+      e->ns = std::max(stream_time(stream.device_index(), stream.id()), host_time());
     } else {
       e->ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
                   .count();

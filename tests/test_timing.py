@@ -1,0 +1,158 @@
+"""Clocked mode (mirage run --timing): predictions that follow the profile's model, the
+timeline's rules (events, synchronisation, collectives from the last rank), steps, the report,
+the trace, the virtual clock, and the refusals of bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mirage import profiles
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOAD = ROOT / "tests" / "workloads" / "clocked.py"
+DDP = ROOT / "tests" / "fixtures" / "ml" / "ddp_mlp.py"
+
+
+def mirage(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run([sys.executable, "-m", "mirage", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1].split("] ", 1)[-1])
+
+
+def model(name: str) -> dict[str, float]:
+    return {n.key: n.value for n in profiles.timing_numbers(profiles.load(name))}
+
+
+def expected_gemm_ms(name: str, n: int) -> float:
+    """The cost model's formula for an n x n x n bf16 GEMM, from the profile's numbers."""
+    m = model(name)
+    tiles = math.ceil(n / m["gemm_tile_m"]) * math.ceil(n / m["gemm_tile_n"])
+    quantisation = tiles / (math.ceil(tiles / m["compute_units"]) * m["compute_units"])
+    compute_ns = 2 * n**3 / (m["peak_tflops.bf16"] * 1e3 * m["gemm_efficiency"] * quantisation)
+    memory_ns = 3 * n * n * 2 / (m["memory_bandwidth_gbs"] * m["memory_efficiency"])
+    return (max(compute_ns, memory_ns) + m["kernel_overhead_us"] * 1e3) / 1e6
+
+
+@pytest.mark.parametrize("name", ["h100", "mi300x"])
+def test_events_time_kernels_by_the_profiles_model(name):
+    run = mirage("run", "--quiet", "--timing", "--profile", name, "--gpus-per-node", "1", "--",
+                 sys.executable, str(WORKLOAD), "gemm")
+    assert run.returncode == 0, run.stderr
+    measured = last_json(run.stdout)
+    assert measured["gemm_ms"] == pytest.approx(expected_gemm_ms(name, 4096), rel=1e-3)
+    m = model(name)
+    mul_bytes = 2 * 4 * 2**24  # read and write 2^24 floats in place
+    expected_mul = (mul_bytes / (m["memory_bandwidth_gbs"] * m["memory_efficiency"]) + m["kernel_overhead_us"] * 1e3) / 1e6
+    assert measured["mul_ms"] == pytest.approx(expected_mul, rel=1e-3)
+    assert "predicted timing on " + name in run.stderr
+
+
+def test_virtual_clock_makes_the_programs_own_timer_report_the_prediction():
+    run = mirage("run", "--quiet", "--timing", "--virtual-clock", "--profile", "h100", "--gpus-per-node", "1", "--",
+                 sys.executable, str(WORKLOAD), "gemm")
+    assert run.returncode == 0, run.stderr
+    measured = last_json(run.stdout)
+    # the host waited for the five GEMMs: its own perf_counter saw their predicted time
+    assert measured["host_s"] * 1e3 == pytest.approx(5 * measured["gemm_ms"], rel=0.02)
+
+
+def test_a_collective_starts_when_the_last_rank_reaches_it():
+    run = mirage("run", "--quiet", "--timing", "--profile", "h100", "--gpus-per-node", "2", "--nproc-per-node", "2",
+                 "--", sys.executable, str(WORKLOAD), "straggler")
+    assert run.returncode == 0, run.stderr
+    lines = [json.loads(line.split("] ", 1)[1]) for line in run.stdout.splitlines() if "{" in line]
+    by_rank = {line["rank"]: line for line in lines}
+    busy = by_rank[1]["before_ms"]
+    assert busy > 20 * expected_gemm_ms("h100", 2048) * 0.99
+    assert by_rank[0]["before_ms"] < busy / 10
+    # rank 0 waited in the all_reduce for rank 1's GEMMs: both end at the same predicted time
+    assert by_rank[0]["total_ms"] == pytest.approx(by_rank[1]["total_ms"], rel=1e-3)
+    assert by_rank[0]["total_ms"] > busy
+
+
+def test_ddp_report_is_identical_twice_and_splits_the_step(tmp_path):
+    reports = []
+    for i in range(2):
+        summary = tmp_path / f"summary{i}.json"
+        run = mirage("run", "--quiet", "--timing", "--summary-json", str(summary), "--profile", "mi300x",
+                     "--gpus-per-node", "2", "--", "torchrun", "--standalone", "--nproc_per_node=2", str(DDP),
+                     env={"STEPS": "12"})
+        assert run.returncode == 0, run.stderr
+        reports.append(json.loads(summary.read_text())["timing"])
+    assert reports[0] == reports[1]  # predictions do not depend on this machine
+    ranks = reports[0]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["steps"] == 12 for r in ranks)
+    split = ranks[0]["split_ms"]
+    assert split["collective"] > 0 and split["compute"] + split["memory"] > 0
+    assert 0 <= split["exposed"] <= split["collective"] + 1e-9
+    assert ranks[0]["step_ms"] >= split["compute"] + split["memory"]
+
+
+def test_steps_come_from_the_users_marker_once_it_marks(tmp_path):
+    summary = tmp_path / "summary.json"
+    run = mirage("run", "--quiet", "--timing", "--summary-json", str(summary), "--profile", "h100",
+                 "--gpus-per-node", "1", "--", sys.executable, str(WORKLOAD), "steps", env={"MARK": "1"})
+    assert run.returncode == 0, run.stderr
+    rank = json.loads(summary.read_text())["timing"]["ranks"][0]
+    assert (rank["steps"], rank["steps_from"]) == (4, "marker")
+
+
+def test_trace_has_every_ranks_kernels_collectives_ranges_and_memory(tmp_path):
+    trace = tmp_path / "run.json"
+    run = mirage("run", "--quiet", "--timing", "--trace", str(trace), "--profile", "h100", "--gpus-per-node", "2",
+                 "--", "torchrun", "--standalone", "--nproc_per_node=2", str(DDP), env={"STEPS": "5"})
+    assert run.returncode == 0, run.stderr
+    events = json.loads(trace.read_text())["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in slices} == {0, 1}
+    kernels = [e for e in slices if e["name"] == "aten::addmm"]
+    collectives = [e for e in slices if e["cat"] == "collective"]
+    assert kernels and all(e["dur"] > 0 for e in kernels)
+    assert any(e["name"] == "nccl:all_reduce" and e["args"]["bytes"] > 0 for e in collectives)
+    assert {e["tid"] for e in collectives}.isdisjoint({e["tid"] for e in kernels})  # the communicator's stream
+    assert any(e["ph"] == "C" and e["args"]["bytes"] > 0 for e in events)
+    if shutil.which("trace_processor_shell"):  # Perfetto's own reader, where its binary is installed
+        from perfetto.trace_processor import TraceProcessor, TraceProcessorConfig
+
+        processor = TraceProcessor(trace=str(trace), config=TraceProcessorConfig(bin_path=shutil.which("trace_processor_shell")))
+        rows = list(processor.query("select name, dur from slice where name = 'aten::addmm'"))
+        assert len(rows) == len(kernels) and all(r.dur > 0 for r in rows)
+
+
+def test_clocked_flags_are_refused_before_anything_starts(tmp_path):
+    run = mirage("run", "--virtual-clock", "--", sys.executable, "-c", "print('ran')")
+    assert run.returncode == 2 and "add --timing" in run.stderr and "ran" not in run.stdout
+    run = mirage("run", "--timing", "--trace", "/nonexistent-dir/run.json", "--", sys.executable, "-c", "print('ran')")
+    assert run.returncode == 2 and "cannot write there" in run.stderr and "ran" not in run.stdout
+    tuning = tmp_path / "tuning.toml"
+    tuning.write_text("gemm_efficency = 0.7\n")
+    run = mirage("run", "--timing", "--timing-tuning", str(tuning), "--", sys.executable, "-c", "print('ran')")
+    assert run.returncode == 2 and "did you mean 'gemm_efficiency'" in run.stderr and "ran" not in run.stdout
+
+
+def test_a_tuning_file_overrides_the_model_and_is_shown_with_its_source(tmp_path):
+    tuning = tmp_path / "tuning.toml"
+    tuning.write_text('gemm_efficiency = { value = 0.5, kind = "measured", source = "my H100" }\n')
+    shown = mirage("profiles", "show", "h100", "--timing", "--timing-tuning", str(tuning), "--json")
+    assert shown.returncode == 0, shown.stderr
+    numbers = {n["key"]: n for n in json.loads(shown.stdout)}
+    assert set(profiles.TIMING_KEYS) <= set(numbers)
+    assert numbers["gemm_efficiency"] == {"key": "gemm_efficiency", "value": 0.5, "kind": "measured", "source": "my H100"}
+    assert all(n["kind"] in profiles.PROVENANCE_KINDS and n["source"] for n in numbers.values())
+    run = mirage("run", "--quiet", "--timing", "--timing-tuning", str(tuning), "--profile", "h100",
+                 "--gpus-per-node", "1", "--", sys.executable, str(WORKLOAD), "gemm")
+    assert run.returncode == 0, run.stderr
+    slower = last_json(run.stdout)["gemm_ms"]
+    assert slower > expected_gemm_ms("h100", 4096) * 1.5

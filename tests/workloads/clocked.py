@@ -1,0 +1,77 @@
+"""Workloads for tests/test_timing.py, run under `mirage run --timing`. MODE selects one; each
+prints one JSON line of what the program itself measured (events, its own clocks)."""
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+MODE = sys.argv[1]
+
+
+def gemm() -> None:
+    """A bf16 GEMM timed with CUDA events, as a benchmark script times it."""
+    n = int(os.environ.get("N", "4096"))
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    host0 = time.perf_counter()
+    start.record()
+    for _ in range(5):
+        a @ b
+    end.record()
+    end.synchronize()
+    host = time.perf_counter() - host0
+    x = torch.empty(2**24, device="cuda")
+    start2, end2 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start2.record()
+    x.mul_(2)
+    end2.record()
+    torch.cuda.synchronize()
+    print(json.dumps({"gemm_ms": start.elapsed_time(end) / 5, "host_s": host, "mul_ms": start2.elapsed_time(end2)}))
+
+
+def straggler() -> None:
+    """Two ranks; rank 1 computes first: rank 0's all_reduce ends only after rank 1 reaches it."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    torch.cuda.set_device(rank)
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    t = torch.ones(2**20, device="cuda")
+    dist.all_reduce(t)  # warm up: both ranks' clocks joined
+    torch.cuda.synchronize()
+    start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    start.record()
+    if rank == 1:
+        for _ in range(20):
+            a @ a
+    mid.record()
+    dist.all_reduce(t)
+    end.record()
+    torch.cuda.synchronize()
+    print(json.dumps({"rank": rank, "before_ms": start.elapsed_time(mid), "total_ms": start.elapsed_time(end)}))
+    dist.destroy_process_group()
+
+
+def steps() -> None:
+    """A few optimizer steps, then steps marked by the program (the marker replaces them)."""
+    model = torch.nn.Linear(256, 256, device="cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        model(torch.randn(32, 256, device="cuda")).sum().backward()
+        opt.step()
+    if os.environ.get("MARK"):
+        for _ in range(4):
+            torch.cuda.nvtx.range_push("forward")
+            model(torch.randn(32, 256, device="cuda")).sum().backward()
+            torch.cuda.nvtx.range_pop()
+            torch.cuda.nvtx.mark("mirage.step")
+    print(json.dumps({"done": True}))
+
+
+{"gemm": gemm, "straggler": straggler, "steps": steps}[MODE]()
