@@ -68,6 +68,8 @@ WORKLOADS: dict[str, tuple[str, dict[str, float | None]]] = {
 }
 MIRAGE_CPU_TARGET = 1.05  # CPU work inside a mirage process, against the native process
 SIDES = ("native", "emulated", "mirage-cpu")
+TIMED = "timed"  # --timed: the emulated side again under clocked mode (mirage run --timing)
+TIMED_TARGET = 1.15  # clocked mode costs at most this much of the untimed emulated step
 SETTLE_S = 0.02  # pause between two steps: the last step's OpenMP workers stop spinning
 
 
@@ -153,7 +155,7 @@ def worker(name: str, side: str, address: str) -> int:
     """Connects to the driver, builds the workload, then runs one step per request."""
     import torch
 
-    device = torch.device("cuda" if side == "emulated" else "cpu")
+    device = torch.device("cuda" if side in ("emulated", TIMED) else "cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs mirage: run under `mirage run`")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -230,24 +232,27 @@ def worker_command(side: str, workload: str, address: str, mirage_args: list[str
              "--address", address]
     if side == "native":
         return inner
-    return [sys.executable, "-m", "mirage", "run", "--quiet", "--gpus-per-node", "1", *mirage_args, "--", *inner]
+    timed = ["--timing"] if side == TIMED else []
+    return [sys.executable, "-m", "mirage", "run", "--quiet", "--gpus-per-node", "1", *timed, *mirage_args, "--", *inner]
 
 
-def measure(workload: str, threads: str, steps: int, warmup: int, scratch: Path, mirage_args: list[str]) -> dict:
-    """Runs one workload at one thread setting in the three processes, interleaved."""
+def measure(workload: str, threads: str, steps: int, warmup: int, scratch: Path, mirage_args: list[str],
+            names: tuple[str, ...] = SIDES) -> dict:
+    """Runs one workload at one thread setting in the three (or with --timed four) processes,
+    interleaved."""
     import torch  # only to compare the weights at the end
 
     address = str(scratch / f"{workload}-{threads}.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)
-    listener.listen(len(SIDES))
+    listener.listen(len(names))
     env = dict(os.environ)
     env.pop("OMP_NUM_THREADS", None)
     if threads != "default":
         env["OMP_NUM_THREADS"] = threads
     sides: list[Side] = []
     try:
-        for name in SIDES:
+        for name in names:
             log = scratch / f"{workload}-{threads}-{name}.log"
             with open(log, "w") as out:
                 process = subprocess.Popen(worker_command(name, workload, address, mirage_args), cwd=REPO, env=env,
@@ -291,7 +296,11 @@ def measure(workload: str, threads: str, steps: int, warmup: int, scratch: Path,
             diff = max(((a.double() - weights["native"][k].double()).abs().max().item()
                         for k, a in weights[side.name].items() if a.is_floating_point()), default=0.0)
         target = (None if side.name == "native" else
-                  targets[threads if threads in targets else "default"] if side.name == "emulated" else MIRAGE_CPU_TARGET)
+                  targets[threads if threads in targets else "default"] if side.name == "emulated" else
+                  TIMED_TARGET if side.name == TIMED else MIRAGE_CPU_TARGET)
+        if side.name == TIMED:  # against the untimed emulated step of the same round
+            emulated = next(s for s in sides if s.name == "emulated")
+            ratios = [w / e for w, e in zip(side.wall, emulated.wall)]
         ratio = statistics.median(ratios)
         result["sides"][side.name] = {
             "median_ms": round(statistics.median(side.wall) * 1e3, 3),
@@ -326,8 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", choices=["default", "1"], nargs="+", default=["default", "1"])
     ap.add_argument("--mirage-arg", action="append", default=[], metavar="ARG",
                     help="an option for `mirage run` of the mirage sides (repeatable), e.g. --mirage-arg=--in-process")
+    ap.add_argument("--timed", action="store_true",
+                    help="also run the emulated side under clocked mode (--timing); its ratio is to the untimed side")
     ap.add_argument("--worker", choices=list(WORKLOADS), help=argparse.SUPPRESS)
-    ap.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
+    ap.add_argument("--side", choices=SIDES + (TIMED,), help=argparse.SUPPRESS)
     ap.add_argument("--address", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -351,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
                 steps = max(3, args.steps // 4) if workload == "module_db" else args.steps
                 warmup = min(args.warmup, 1) if workload == "module_db" else args.warmup
                 try:
-                    results.append(measure(workload, threads, steps, warmup, Path(scratch), args.mirage_arg))
+                    results.append(measure(workload, threads, steps, warmup, Path(scratch), args.mirage_arg,
+                                           SIDES + ((TIMED,) if args.timed else ())))
                 except RuntimeError as error:
                     print(f"train_step: {workload} at {threads} threads failed: {error}", file=sys.stderr)
                     return 1
@@ -372,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{e['target'] or float('nan'):>7.2f} {verdict(e):<4} {m['median_ms']:>14.2f} {m['ratio']:>7.3f} "
               f"{verdict(m):<4} {e['steps_per_s']:>12.2f} "
               f"{'-' if e['max_param_diff'] is None else format(e['max_param_diff'], '.1e'):>8}")
+        if TIMED in r["sides"]:
+            timed = r["sides"][TIMED]
+            print(f"{'':<10} {'':>7} timed (--timing) {timed['median_ms']:.2f} ms: {timed['ratio']:.3f} x the untimed "
+                  f"emulated step (target {TIMED_TARGET}) {verdict(timed)}")
     print("JSON " + json.dumps(info))
     return 0 if all(s["ok"] is not False for r in results for s in r["sides"].values()) else 3
 
