@@ -191,17 +191,21 @@ double flop_count(const c10::OperatorHandle& op, const std::vector<c10::IValue>&
   return flops;
 }
 
+// A GEMM's output tiles: ceil(rows / tile_m) x ceil(cols / tile_n) per batch.
+static int64_t output_tiles(int64_t batch, int64_t rows, int64_t cols) {
+  const CostModel& m = cost_model();
+  return batch * ((rows + m.tile_m - 1) / m.tile_m) * ((cols + m.tile_n - 1) / m.tile_n);
+}
+
 int64_t gemm_tiles(const c10::FunctionSchema& schema, const c10::IValue* results, size_t num_results) {
   static const std::unordered_set<std::string> gemms{"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
                                                      "aten::_scaled_mm"};
   if (num_results == 0 || !results[0].isTensor() || !gemms.count(schema.name())) return 0;
   const at::Tensor& out = results[0].toTensor();
   if (out.dim() < 2) return 0;
-  const CostModel& m = cost_model();
   int64_t batch = 1;
   for (int64_t d = 0; d < out.dim() - 2; ++d) batch *= out.size(d);
-  const int64_t rows = out.size(-2), cols = out.size(-1);
-  return batch * ((rows + m.tile_m - 1) / m.tile_m) * ((cols + m.tile_n - 1) / m.tile_n);
+  return output_tiles(batch, out.size(-2), out.size(-1));
 }
 
 void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs,
@@ -265,6 +269,20 @@ extern "C" int64_t mirage_collective_cost_ns(int kind, int64_t bytes, int ranks,
 TORCH_LIBRARY_FRAGMENT(mirage, m) {
   // Implemented in Python (mirage/runtime/timing.py) over torch.utils.flop_counter's registry.
   m.def("flop_count(str op, Any[] args, Any[] results) -> float");
+  // The model's predictions without running anything (bench/validate.py compares them with
+  // published measurements): an M x N x K GEMM, a streaming kernel moving `bytes`, a collective.
+  m.def("clock_predict_gemm_ns(int m, int n, int k, ScalarType dtype) -> int",
+        [](int64_t rows, int64_t cols, int64_t inner, c10::ScalarType dtype) -> int64_t {
+          const double flops = 2.0 * rows * cols * inner;
+          const int64_t bytes = (rows * inner + inner * cols + rows * cols) * static_cast<int64_t>(c10::elementSize(dtype));
+          return mirage::kernel_cost(flops, bytes, dtype, mirage::output_tiles(1, rows, cols)).ns;
+        });
+  m.def("clock_predict_stream_ns(int bytes) -> int",
+        [](int64_t bytes) -> int64_t { return mirage::kernel_cost(0, bytes, c10::kByte, 0).ns; });
+  m.def("clock_predict_collective_ns(int kind, int bytes, int ranks, int nodes) -> int",
+        [](int64_t kind, int64_t bytes, int64_t ranks, int64_t nodes) -> int64_t {
+          return mirage_collective_cost_ns(static_cast<int>(kind), bytes, static_cast<int>(ranks), static_cast<int>(nodes));
+        });
   m.def("clock_set_flop_ops(str[] names) -> ()", [](std::vector<std::string> names) {
     mirage::FlopOps& f = mirage::flop_ops();
     std::unique_lock<std::shared_mutex> g(f.mu);

@@ -1,0 +1,137 @@
+"""Calibration on a real GPU: the same micro-benchmarks and small training step, measured there
+and predicted by clocked mode, side by side.
+
+    # here (no GPU), once per profile: the predictions, by running the benchmarks under mirage
+    python bench/calibrate.py --predict --profile h200          # writes bench/predictions/h200.json
+    # on the real GPU (CUDA or ROCm build of the same torch, no mirage): measure and compare
+    python bench/calibrate.py --profile h200 [--write-tuning h200-tuning.toml]
+
+The benchmarks time themselves with CUDA events, so under `mirage run --timing` they report the
+prediction and on a GPU the measurement. --write-tuning turns the measurements into a
+--timing-tuning file (GEMM and memory efficiency, launch cost) marked "measured" with the GPU's
+name and the date. Takes about a minute on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+PREDICTIONS = Path(__file__).with_name("predictions")
+GEMMS = [(1024, "bfloat16"), (4096, "bfloat16"), (8192, "bfloat16"), (8192, "float16"), (4096, "float32")]
+STREAM_BYTES = 1 << 30
+
+
+def timed(fn, repeats: int) -> float:
+    """Milliseconds per call of fn, by CUDA events around `repeats` calls after a warm-up."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def benchmarks(quick: bool) -> dict:
+    """The micro-benchmarks (quick: one repeat each, as the predictions need no averaging)."""
+    import torch
+
+    repeats = 1 if quick else 20
+    results = {}
+    for n, dtype in GEMMS:
+        a = torch.randn(n, n, device="cuda", dtype=getattr(torch, dtype))
+        b = torch.randn(n, n, device="cuda", dtype=getattr(torch, dtype))
+        ms = timed(lambda: a @ b, repeats)
+        results[f"gemm {n} {dtype}"] = {"ms": ms, "tflops": 2 * n**3 / ms / 1e9}
+        del a, b
+    x = torch.empty(STREAM_BYTES // 4, device="cuda")
+    y = torch.empty_like(x)
+    ms = timed(lambda: y.copy_(x), repeats)
+    results["copy 1 GiB"] = {"ms": ms, "gbs": 2 * STREAM_BYTES / ms / 1e6}
+    small = torch.empty(1, device="cuda")
+    results["tiny kernel"] = {"ms": timed(lambda: small.add_(1), 50 if quick else 1000)}
+    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(4)]).cuda().to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def step() -> None:
+        model(batch).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    results["train step (4 x Linear 4096, batch 2048, bf16, AdamW)"] = {"ms": timed(step, 2 if quick else 20)}
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", required=True, help="the mirage profile of this GPU (h100, h200, mi300x, ...)")
+    ap.add_argument("--predict", action="store_true", help="predict with mirage (no GPU needed) and save the figures")
+    ap.add_argument("--write-tuning", metavar="PATH", help="write the measurements as a --timing-tuning file")
+    ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.inner:
+        print("RESULTS " + json.dumps(benchmarks(quick=True)))
+        return 0
+    saved = PREDICTIONS / f"{args.profile}.json"
+    if args.predict:
+        run = subprocess.run([sys.executable, "-m", "mirage", "run", "--quiet", "--in-process", "--timing", "--profile",
+                              args.profile, "--gpus-per-node", "1", "--", sys.executable, __file__, "--profile",
+                              args.profile, "--inner"], capture_output=True, text=True, timeout=1800)
+        line = next((l for l in run.stdout.splitlines() if l.startswith("RESULTS ")), None)
+        if run.returncode != 0 or line is None:
+            print(run.stderr[-3000:], file=sys.stderr)
+            return 1
+        PREDICTIONS.mkdir(exist_ok=True)
+        saved.write_text(json.dumps(json.loads(line[8:]), indent=1) + "\n")
+        print(f"predictions for {args.profile} written to {saved}")
+        return 0
+    import torch
+
+    if not torch.cuda.is_available() or os.environ.get("MIRAGE_SESSION"):
+        print("bench/calibrate.py measures a real GPU: run it on one (without mirage), or use --predict here",
+              file=sys.stderr)
+        return 2
+    if not saved.exists():
+        print(f"no predictions for {args.profile} ({saved}); make them first: python bench/calibrate.py --predict "
+              f"--profile {args.profile}", file=sys.stderr)
+        return 2
+    predicted = json.loads(saved.read_text())
+    measured = benchmarks(quick=False)
+    name = torch.cuda.get_device_name(0)
+    print(f"{name} (torch {torch.__version__}) against mirage's {args.profile} profile")
+    print(f"{'benchmark':<56} {'measured ms':>12} {'predicted ms':>13} {'error':>8}")
+    for key, m in measured.items():
+        p = predicted.get(key)
+        error = f"{100 * (p['ms'] - m['ms']) / m['ms']:+.1f}%" if p else "-"
+        print(f"{key:<56} {m['ms']:>12.4f} {(p or {}).get('ms', float('nan')):>13.4f} {error:>8}")
+    print("JSON " + json.dumps({"device": name, "torch": torch.__version__, "measured": measured, "predicted": predicted}))
+    if args.write_tuning:
+        from mirage import profiles
+
+        model = {n.key: n.value for n in profiles.timing_numbers(profiles.load(args.profile))}
+        stamp = f"bench/calibrate.py on {name}, {datetime.date.today().isoformat()}"
+        peak = model["peak_tflops.bf16"]
+        gemm = max(measured[f"gemm {n} bfloat16"]["tflops"] for n, d in GEMMS if d == "bfloat16") / peak
+        memory = measured["copy 1 GiB"]["gbs"] / model["memory_bandwidth_gbs"]
+        tiny = measured["tiny kernel"]["ms"] * 1e3
+        Path(args.write_tuning).write_text(
+            f'gemm_efficiency = {{ value = {gemm:.4f}, kind = "measured", source = "{stamp}: best bf16 GEMM" }}\n'
+            f'memory_efficiency = {{ value = {memory:.4f}, kind = "measured", source = "{stamp}: 1 GiB copy" }}\n'
+            f'kernel_overhead_us = {{ value = {tiny:.3f}, kind = "measured", source = "{stamp}: back-to-back tiny kernels" }}\n')
+        print(f"tuning written to {args.write_tuning}: mirage run --timing --timing-tuning {args.write_tuning} ...")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

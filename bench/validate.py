@@ -1,0 +1,134 @@
+"""Validation: clocked mode's predictions against published measurements (bench/validation_cases.toml).
+
+    python bench/validate.py [--write docs/validation.md]
+
+For each case it asks the model of the case's profile (in a `mirage run --timing --profile P`
+process, with the case's tuning where its system differs from the profile, e.g. its NIC) for the
+predicted time of the same GEMM, streaming kernel or collective, turns it into the unit the source
+reports (TFLOP/s, GB/s, nccl-tests busbw) and prints the error. Cases in the calibration set are
+those the profiles' [timing] numbers were taken from; the held-out set's median error is the
+figure of merit. Runs in seconds: nothing is computed on this machine but the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CASES = Path(__file__).with_name("validation_cases.toml")
+KIND = {"all_reduce": 0, "all_gather": 1, "reduce_scatter": 2, "broadcast": 3, "all_to_all": 7}
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+              "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0, "all_to_all": lambda n: (n - 1) / n}
+
+
+def predict(cases: list[dict]) -> list[float]:
+    """Inside mirage: each case's prediction in its source's unit."""
+    import torch
+
+    out = []
+    for case in cases:
+        if case["kind"] == "gemm":
+            ns = torch.ops.mirage.clock_predict_gemm_ns(case["m"], case["n"], case["k"], getattr(torch, case["dtype"]))
+            out.append(2 * case["m"] * case["n"] * case["k"] / ns / 1e3)  # TFLOP/s
+        elif case["kind"] == "stream":
+            out.append(case["bytes"] / torch.ops.mirage.clock_predict_stream_ns(case["bytes"]))  # GB/s
+        else:
+            ns = torch.ops.mirage.clock_predict_collective_ns(KIND[case["op"]], case["bytes"], case["ranks"], case["nodes"])
+            out.append(case["bytes"] * BUS_FACTOR[case["op"]](case["ranks"]) / ns)  # busbw GB/s
+    return out
+
+
+def run_predictions(cases: list[dict]) -> list[float]:
+    """Groups the cases by profile and tuning, one mirage process each."""
+    groups: dict[tuple, list[int]] = {}
+    for i, case in enumerate(cases):
+        groups.setdefault((case["profile"], json.dumps(case.get("tuning", {}), sort_keys=True)), []).append(i)
+    predicted = [0.0] * len(cases)
+    with tempfile.TemporaryDirectory(prefix="mirage-validate-") as scratch:
+        for (profile, tuning), indices in groups.items():
+            listing = Path(scratch) / "cases.json"
+            listing.write_text(json.dumps([cases[i] for i in indices]))
+            extra = []
+            if json.loads(tuning):
+                tuning_file = Path(scratch) / "tuning.toml"
+                tuning_file.write_text("".join(f"{k} = {v}\n" for k, v in json.loads(tuning).items()))
+                extra = ["--timing-tuning", str(tuning_file)]
+            result = subprocess.run(
+                [sys.executable, "-m", "mirage", "run", "--quiet", "--in-process", "--timing", *extra, "--profile",
+                 profile, "--gpus-per-node", "1", "--", sys.executable, __file__, "--predict", str(listing)],
+                capture_output=True, text=True, cwd=REPO, timeout=300)
+            if result.returncode != 0:
+                raise SystemExit(f"validate: predicting {profile} failed:\n{result.stderr[-3000:]}")
+            values = json.loads(result.stdout.strip().splitlines()[-1])
+            for i, value in zip(indices, values):
+                predicted[i] = value
+    return predicted
+
+
+def describe(case: dict) -> str:
+    if case["kind"] == "gemm":
+        return f"GEMM {case['m']}x{case['n']}x{case['k']} {case['dtype']}"
+    if case["kind"] == "stream":
+        return f"streaming kernel, {case['bytes'] / 2**20:.0f} MiB moved"
+    where = f"{case['ranks']} GPUs" + (f", {case['nodes']} nodes" if case["nodes"] > 1 else "")
+    return f"{case['op']} {case['bytes'] / 2**20:.0f} MiB, {where}"
+
+
+UNIT = {"gemm": "TFLOP/s", "stream": "GB/s", "collective": "busbw GB/s"}
+
+
+def table(cases: list[dict], predicted: list[float]) -> tuple[str, dict]:
+    rows = ["| id | set | profile | case | published | predicted | error | source |", "|---|---|---|---|---:|---:|---:|---|"]
+    errors: dict[tuple[str, str], list[float]] = {}
+    for case, value in zip(cases, predicted):
+        error = (value - case["value"]) / case["value"]
+        group = "gemm" if case["kind"] == "gemm" else "memory" if case["kind"] == "stream" else "collective"
+        errors.setdefault((case["set"], group), []).append(abs(error))
+        rows.append(f"| {case['id']} | {case['set']} | {case['profile']} | {describe(case)} | {case['value']:g} "
+                    f"{UNIT[case['kind']]} | {value:.1f} | {100 * error:+.1f}% | {case['source']} |")
+    summary = {f"{s} {g}": {"cases": len(e), "median_abs_error": statistics.median(e)} for (s, g), e in sorted(errors.items())}
+    held = [abs((v - c["value"]) / c["value"]) for c, v in zip(cases, predicted) if c["set"] == "held-out"]
+    summary["held-out all"] = {"cases": len(held), "median_abs_error": statistics.median(held)}
+    return "\n".join(rows), summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--write", metavar="PATH", help="also write the table into this markdown file (between markers)")
+    ap.add_argument("--predict", metavar="CASES_JSON", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.predict:
+        print(json.dumps(predict(json.loads(Path(args.predict).read_text()))))
+        return 0
+    if os.environ.get("MIRAGE_SESSION"):
+        print("bench/validate.py starts mirage itself: run it with plain python", file=sys.stderr)
+        return 2
+    cases = tomllib.loads(CASES.read_text())["case"]
+    predicted = run_predictions(cases)
+    rows, summary = table(cases, predicted)
+    print(rows)
+    for name, s in summary.items():
+        print(f"{name:<24} {s['cases']:>3} cases, median |error| {100 * s['median_abs_error']:.1f}%")
+    if args.write:
+        path = Path(args.write)
+        text = path.read_text()
+        begin, end = "<!-- validate.py:begin -->", "<!-- validate.py:end -->"
+        lines = [f"- {name}: {s['cases']} cases, median |error| **{100 * s['median_abs_error']:.1f}%**"
+                 for name, s in summary.items()]
+        block = f"{begin}\n{rows}\n\n" + "\n".join(lines) + f"\n{end}"
+        head, _, rest = text.partition(begin)
+        _, _, tail = rest.partition(end)
+        path.write_text(head + block + tail)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
