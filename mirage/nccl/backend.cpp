@@ -17,7 +17,6 @@
 // pending send and receive at once, as NCCL's stream would, so isend/irecv in any order and
 // batch_isend_irecv never deadlock.
 
-#include "../shim/device_clock.h"
 #include "gloo_on_device.h"
 #include "transport.h"
 
@@ -28,6 +27,7 @@
 #include <torch/extension.h>
 #include <pybind11/chrono.h>
 
+#include <dlfcn.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -142,6 +142,39 @@ std::string json_string(const std::string& s) {
   out << '"';
   return out.str();
 }
+
+// ---------------------------------------------------------------- the shim's clock (clocked mode)
+
+// The shim's predicted timeline (mirage/shim/device_clock.h's C interface), found through dlsym as
+// the arena is: the shim is loaded with RTLD_GLOBAL before this module, which must also import
+// without it (its build imports it). Without clocked mode (or the shim) `on` is false.
+struct ShimClock {
+  int (*enabled)() = nullptr;
+  int64_t (*new_stream)() = nullptr;
+  int64_t (*ready)(int, int64_t) = nullptr;
+  int64_t (*collective)(int, int64_t, int64_t, int64_t, const char*, int64_t) = nullptr;
+  void (*current_stream_waits)(int, int64_t) = nullptr;
+  int64_t (*cost_ns)(int, int64_t, int, int) = nullptr;
+  bool on = false;
+
+  static const ShimClock& get() {
+    static const ShimClock clock = [] {
+      ShimClock c;
+      c.enabled = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "mirage_timing_enabled"));
+      c.new_stream = reinterpret_cast<int64_t (*)()>(dlsym(RTLD_DEFAULT, "mirage_clock_new_stream"));
+      c.ready = reinterpret_cast<int64_t (*)(int, int64_t)>(dlsym(RTLD_DEFAULT, "mirage_clock_ready"));
+      c.collective = reinterpret_cast<int64_t (*)(int, int64_t, int64_t, int64_t, const char*, int64_t)>(
+          dlsym(RTLD_DEFAULT, "mirage_clock_collective"));
+      c.current_stream_waits = reinterpret_cast<void (*)(int, int64_t)>(
+          dlsym(RTLD_DEFAULT, "mirage_clock_current_stream_waits"));
+      c.cost_ns = reinterpret_cast<int64_t (*)(int, int64_t, int, int)>(dlsym(RTLD_DEFAULT, "mirage_collective_cost_ns"));
+      c.on = c.enabled && c.new_stream && c.ready && c.collective && c.current_stream_waits && c.cost_ns && c.enabled();
+      return c;
+    }();
+    return clock;
+  }
+};
+const ShimClock& shim_clock() { return ShimClock::get(); }
 
 // ---------------------------------------------------------------- the session's flight recorder
 
@@ -330,7 +363,7 @@ class EmulatedWork final : public c10d::Work {
                       " timed out in blocking wait after " + std::to_string(timeout.count()) + " ms.");
     }
     if (exception_) std::rethrow_exception(exception_);
-    if (clock_device_ >= 0) mirage_clock_current_stream_waits(clock_device_, end_ns_);  // the caller's stream waits
+    if (clock_device_ >= 0) shim_clock().current_stream_waits(clock_device_, end_ns_);  // the caller's stream waits
     return true;
   }
 
@@ -1047,8 +1080,8 @@ class ProcessGroupNCCL final : public c10d::Backend {
       finish_trace(r);
       record(r, false);
     };
-    const bool clocked = mirage_timing_enabled() && barrier_device_ >= 0;
-    if (clocked) timing_.ready_ns = mirage_clock_ready(barrier_device_, comm_stream());
+    const bool clocked = shim_clock().on && barrier_device_ >= 0;
+    if (clocked) timing_.ready_ns = shim_clock().ready(barrier_device_, comm_stream());
     try {
       comm_->check_usable(timing_.what);
       run();
@@ -1061,8 +1094,8 @@ class ProcessGroupNCCL final : public c10d::Backend {
     finished();
     if (clocked && !error) {
       const auto [kind, bus_bytes] = bus_shape(r);
-      const int64_t cost = mirage_collective_cost_ns(kind, bus_bytes, size_, nodes_in_group_);
-      const int64_t end = mirage_clock_collective(barrier_device_, comm_stream(), comm_->agreed_ready_ns(), cost,
+      const int64_t cost = shim_clock().cost_ns(kind, bus_bytes, size_, nodes_in_group_);
+      const int64_t end = shim_clock().collective(barrier_device_, comm_stream(), comm_->agreed_ready_ns(), cost,
                                                   profiling, bus_bytes);
       work->set_predicted_end(barrier_device_, comm_stream(), end);
     }
@@ -1074,7 +1107,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
 
   // Clocked mode: the communicator's own stream (ProcessGroupNCCL takes one per device).
   int64_t comm_stream() {
-    if (comm_stream_ < 0) comm_stream_ = mirage_clock_new_stream();
+    if (comm_stream_ < 0) comm_stream_ = shim_clock().new_stream();
     return comm_stream_;
   }
 
@@ -1202,13 +1235,13 @@ class ProcessGroupNCCL final : public c10d::Backend {
     record_param_comms(p.record, tensors, tensors);
     if (measure_durations_) p.work->time_it();
     p.transfer = Transfer{sending, peer, data(t), static_cast<size_t>(nbytes(t)), Clock::now() + timeout, timeout};
-    if (mirage_timing_enabled() && t.is_cuda()) {
+    if (shim_clock().on && t.is_cuda()) {
       // Clocked mode: on this rank's side only, from when its stream reaches it (the peer's
       // clock does not travel with the message).
       const int device = t.device().index();
       const bool across = static_cast<size_t>(peer) < host_of_rank_.size() && host_of_rank_[peer] != host_of_rank_[rank_];
-      const int64_t cost = mirage_collective_cost_ns(9, nbytes(t), 2, across ? 2 : 1);
-      const int64_t end = mirage_clock_collective(device, comm_stream(), mirage_clock_ready(device, comm_stream()), cost,
+      const int64_t cost = shim_clock().cost_ns(9, nbytes(t), 2, across ? 2 : 1);
+      const int64_t end = shim_clock().collective(device, comm_stream(), shim_clock().ready(device, comm_stream()), cost,
                                                   sending ? "nccl:send" : "nccl:recv", nbytes(t));
       p.work->set_predicted_end(device, comm_stream(), end);
     }

@@ -38,6 +38,8 @@ import threading
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
+from mirage.runtime import timing
+
 _COMPILE_FX = "torch._inductor.compile_fx"
 # collectives run on the device: the group's backend for the device is the emulated NCCL
 _COLLECTIVE_NAMESPACES = {"_c10d_functional", "_c10d_functional_autograd", "c10d"}
@@ -241,6 +243,43 @@ class _OutputGeometry:
             return None
 
 
+def _graph_cost(gm: Any, torch: ModuleType) -> tuple[float, int, int, Any]:
+    """Clocked mode's estimate of a compiled graph, from the graph inductor is handed: its fused
+    kernels read the graph's inputs and write its outputs (what they keep in registers costs no
+    memory traffic); its matmul-family nodes (flop_counter's formulas) are kernels of their own,
+    reading their operands. Returns (FLOPs, bytes, kernels, the matmuls' dtype)."""
+    from torch.utils._pytree import tree_map
+    from torch.utils.flop_counter import flop_registry
+
+    def size(value: Any) -> int:
+        try:
+            return int(value.numel()) * value.element_size() if isinstance(value, torch.Tensor) else 0
+        except (TypeError, RuntimeError):  # a symbolic size without a hint
+            return 0
+
+    def val(node: Any) -> Any:
+        return node.meta.get("val") if isinstance(node, torch.fx.Node) else node
+
+    flops, nbytes, kernels, dtype = 0.0, 0, 1, torch.float32
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            nbytes += size(node.meta.get("val"))
+        elif node.op == "output":
+            outputs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+            nbytes += sum(size(val(a)) for a in outputs)
+        elif node.op == "call_function" and getattr(node.target, "overloadpacket", None) in flop_registry:
+            args, kwargs = tree_map(val, node.args), tree_map(val, node.kwargs)
+            try:
+                flops += float(flop_registry[node.target.overloadpacket](*args, **kwargs, out_val=node.meta.get("val")))
+            except Exception:  # noqa: BLE001 - a formula that cannot read symbolic shapes: no FLOPs counted
+                continue
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            nbytes += sum(size(a) for a in tensors) + size(node.meta.get("val"))
+            kernels += 1
+            dtype = tensors[0].dtype if tensors else dtype
+    return flops, nbytes, kernels, dtype
+
+
 class HostCompiledGraph:
     """A graph inductor compiled for the host, called with and returning device tensors."""
 
@@ -258,6 +297,7 @@ class HostCompiledGraph:
         self.busy_enter, self.busy_exit = torch.ops.mirage.busy_region_enter, torch.ops.mirage.busy_region_exit
         self.device = device  # whose memory its buffers are, whose busy time its kernels are
         self.tensor_type = torch.Tensor
+        self.cost: tuple | None = None  # clocked mode: (FLOPs, bytes, kernels, dtype), see _graph_cost
 
     def _capture(self, host_args: list) -> list:
         """Called during a CUDA graph capture: the outputs are allocated (their contents undefined
@@ -300,6 +340,8 @@ class HostCompiledGraph:
         finally:
             _running.device = outer
             self.busy_exit()
+        if self.cost is not None:
+            self.torch.ops.mirage.clock_compiled_graph(self.device, *self.cost)
         moved = [i for i, o in enumerate(outputs) if isinstance(o, self.tensor_type) and self.output_devices[i] >= 0]
         views = self.device_views([outputs[i] for i in moved], [self.output_devices[i] for i in moved])
         for i, view in zip(moved, views):
@@ -388,11 +430,13 @@ def _host_compile(inner_compile: Callable, device_ops: _DeviceOps, captured_call
         host_inputs = [_host_fake(v, torch, fake_mode) for v in example_inputs]
         _move_graph_to_host(gm, device_ops, torch)
         FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*host_inputs)
+        cost = _graph_cost(gm, torch) if timing.enabled() else None
         compiled = inner_compile(gm, host_inputs, **kwargs)
         _buffers_on_device(compiled, torch)
         if device is None:  # no device inputs: the device of the first device output
             device = next((d for d in output_devices if d >= 0), 0)
         host_graph = HostCompiledGraph(compiled, device, output_devices, output_geometry, captured_calls, torch)
+        host_graph.cost = cost
         if not cudagraphs:
             return host_graph
         return _with_cuda_graphs(host_graph, cudagraph_info, compiled, kwargs)

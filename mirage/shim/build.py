@@ -26,9 +26,9 @@ HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 LIBRARY_NAME = "mirage_shim"
 NCCL_DIR = Path(__file__).parent.parent / "nccl"
 NCCL_SOURCES = sorted(NCCL_DIR.glob("*.cpp"))
-# The backend reads the shim's shared device memory and its clocks through these headers' C interfaces.
-NCCL_HEADERS = sorted(NCCL_DIR.glob("*.h")) + [Path(__file__).parent / name for name in (
-    "shared_device_memory.h", "device_clock.h", "config.h")]
+# The backend reads the shim's shared device memory through this header's C interface (and its
+# clock through device_clock.h's, found with dlsym like the arena).
+NCCL_HEADERS = sorted(NCCL_DIR.glob("*.h")) + [Path(__file__).parent / "shared_device_memory.h"]
 NCCL_MODULE_NAME = "mirage_nccl"
 
 

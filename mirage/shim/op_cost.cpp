@@ -283,6 +283,17 @@ TORCH_LIBRARY_FRAGMENT(mirage, m) {
         [](int64_t kind, int64_t bytes, int64_t ranks, int64_t nodes) -> int64_t {
           return mirage_collective_cost_ns(static_cast<int>(kind), bytes, static_cast<int>(ranks), static_cast<int>(nodes));
         });
+  // A torch.compile'd graph (its host kernels do not pass the op path): one entry on the
+  // device's current stream for its fused kernels, costed from what inductor's graph reads and
+  // writes and its matmuls' FLOPs (mirage/runtime/inductor.py estimates them at compile time).
+  m.def("clock_compiled_graph(int device, float flops, int bytes, int kernels, ScalarType dtype) -> ()",
+        [](int64_t device, double flops, int64_t bytes, int64_t kernels, c10::ScalarType dtype) {
+          if (!mirage::timing()) return;
+          const auto dev = static_cast<mirage::DeviceIndex>(device);
+          mirage::KernelCost cost = mirage::kernel_cost(flops, bytes, dtype, 0);
+          cost.ns += static_cast<int64_t>(std::max<int64_t>(kernels - 1, 0) * mirage::cost_model().kernel_fixed_ns);
+          mirage::run_on_stream(dev, mirage::tl_stream[dev], cost.ns, cost.kind, "compiled graph", bytes, flops);
+        });
   m.def("clock_set_flop_ops(str[] names) -> ()", [](std::vector<std::string> names) {
     mirage::FlopOps& f = mirage::flop_ops();
     std::unique_lock<std::shared_mutex> g(f.mu);
