@@ -82,6 +82,29 @@ def test_a_collective_starts_when_the_last_rank_reaches_it():
     assert by_rank[0]["total_ms"] > busy
 
 
+def test_a_receive_ends_after_the_senders_work():
+    run = mirage("run", "--quiet", "--timing", "--profile", "h100", "--gpus-per-node", "2", "--nproc-per-node", "2",
+                 "--", sys.executable, str(WORKLOAD), "pipeline")
+    assert run.returncode == 0, run.stderr
+    by_rank = {line["rank"]: line for line in
+               (json.loads(l.split("] ", 1)[1]) for l in run.stdout.splitlines() if "{" in l)}
+    work = 20 * expected_gemm_ms("h100", 2048)
+    assert by_rank[0]["ms"] > work
+    assert by_rank[1]["ms"] > work  # rank 1's receive waited for rank 0's GEMMs and send
+    assert by_rank[1]["ms"] == pytest.approx(by_rank[0]["ms"], rel=0.05)
+
+
+def test_a_cuda_graph_replay_pays_one_launch():
+    run = mirage("run", "--quiet", "--timing", "--profile", "h100", "--gpus-per-node", "1", "--",
+                 sys.executable, str(WORKLOAD), "graph")
+    assert run.returncode == 0, run.stderr
+    times = last_json(run.stdout)
+    m = model("h100")
+    # eagerly the 20 tiny kernels wait for the host's launches; replayed they run back to back
+    assert times["eager_ms"] == pytest.approx(20 * m["launch_us"] / 1e3, rel=0.1)
+    assert times["graph_ms"] < 0.7 * times["eager_ms"]
+
+
 def test_ddp_report_is_identical_twice_and_splits_the_step(tmp_path):
     reports = []
     for i in range(2):

@@ -4,7 +4,7 @@ Each process claims a slot and adds to it alone (atomic adds in the device shim:
 trip to the service); a GPU's use is the sum over the slots on its node. The service reads
 the table for `mirage smi` and the summary, and frees the slot of a process that died, which
 returns its memory (no live process writes a dead one's slot, so that needs no atomics).
-Layout, all little-endian int64 (mirage_shim.cpp's SharedTable mirrors it):
+Layout, all little-endian int64 (mirage/shim/session_table.h's SharedTable mirrors it):
 
     header  [magic, version, num_nodes, gpus_per_node, max_slots, capacity, slot high-water, 0]
     gpus    num_nodes * gpus_per_node x [peak bytes]

@@ -37,6 +37,7 @@
 #include <deque>
 #include <iomanip>
 #include <iostream>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -1111,6 +1112,15 @@ class ProcessGroupNCCL final : public c10d::Backend {
     return comm_stream_;
   }
 
+  // Clocked mode: point-to-point traffic with `peer` has a stream of its own, as ProcessGroupNCCL
+  // gives each pair of ranks a communicator and stream (sends and receives of other pairs overlap).
+  int64_t p2p_stream(int peer) {
+    std::lock_guard<std::mutex> g(p2p_streams_mu_);
+    auto [it, fresh] = p2p_streams_.emplace(peer, 0);
+    if (fresh) it->second = shim_clock().new_stream();
+    return it->second;
+  }
+
   // The collective as nccl-tests size it: its kind (mirage::nccl::Kind) and the bytes its bus
   // factor applies to (the buffer for all_reduce, broadcast, reduce; the whole gathered or
   // scattered buffer for all_gather, reduce_scatter, all_to_all, gather, scatter).
@@ -1212,6 +1222,8 @@ class ProcessGroupNCCL final : public c10d::Backend {
     c10::intrusive_ptr<EmulatedWork> work;
     Record record;
     Transfer transfer;
+    int clock_device = -1;  // clocked mode: where, when ready and for how long
+    int64_t ready_ns = 0, cost_ns = 0;
   };
 
   c10::intrusive_ptr<c10d::Work> point_to_point(std::vector<at::Tensor>& tensors, int peer, bool sending) {
@@ -1236,14 +1248,18 @@ class ProcessGroupNCCL final : public c10d::Backend {
     if (measure_durations_) p.work->time_it();
     p.transfer = Transfer{sending, peer, data(t), static_cast<size_t>(nbytes(t)), Clock::now() + timeout, timeout};
     if (shim_clock().on && t.is_cuda()) {
-      // Clocked mode: on this rank's side only, from when its stream reaches it (the peer's
-      // clock does not travel with the message).
-      const int device = t.device().index();
+      // Clocked mode: a send leaves when this rank's stream reaches it, its clock in the message's
+      // header; the receive ends once both sides are there (set when the message arrives).
+      p.clock_device = t.device().index();
       const bool across = static_cast<size_t>(peer) < host_of_rank_.size() && host_of_rank_[peer] != host_of_rank_[rank_];
-      const int64_t cost = shim_clock().cost_ns(9, nbytes(t), 2, across ? 2 : 1);
-      const int64_t end = shim_clock().collective(device, comm_stream(), shim_clock().ready(device, comm_stream()), cost,
-                                                  sending ? "nccl:send" : "nccl:recv", nbytes(t));
-      p.work->set_predicted_end(device, comm_stream(), end);
+      p.cost_ns = shim_clock().cost_ns(9, nbytes(t), 2, across ? 2 : 1);
+      p.ready_ns = shim_clock().ready(p.clock_device, p2p_stream(peer));
+      if (sending) {
+        p.transfer.clock = p.ready_ns;
+        p.work->set_predicted_end(p.clock_device, p2p_stream(peer),
+                                  shim_clock().collective(p.clock_device, p2p_stream(peer), p.ready_ns, p.cost_ns,
+                                                          "nccl:send", nbytes(t)));
+      }
     }
     keep_trace(p.record);
     record(p.record, true);
@@ -1274,6 +1290,14 @@ class ProcessGroupNCCL final : public c10d::Backend {
       }
     };
     const auto finished = [&](size_t i) {
+      Pending& done = active[i];
+      if (done.clock_device >= 0 && !done.transfer.send) {  // both sides there: from the later one
+        const int64_t start = std::max(done.ready_ns, transfers[i].header.clock);
+        const int64_t stream = p2p_stream(done.transfer.peer);
+        done.work->set_predicted_end(done.clock_device, stream,
+                                     shim_clock().collective(done.clock_device, stream, start, done.cost_ns,
+                                                             "nccl:recv", static_cast<int64_t>(done.transfer.bytes)));
+      }
       active[i].record.completed_ns = wall_ns();
       active[i].record.state = "completed";
       finish_trace(active[i].record);
@@ -1341,6 +1365,8 @@ class ProcessGroupNCCL final : public c10d::Backend {
   int nodes_in_group_ = 1;               // emulated nodes the group spans (from the first collective)
   std::vector<int64_t> host_of_rank_;    // each rank's node (its NCCL_HOSTID's hash)
   int64_t comm_stream_ = -1;             // clocked mode: the communicator's stream
+  std::mutex p2p_streams_mu_;
+  std::map<int, int64_t> p2p_streams_;   // clocked mode: a stream per point-to-point peer
   int barrier_device_ = -1;  // see barrier()
   std::atomic<bool> failed_{false};
   std::mutex mu_;  // coalescing state and the point-to-point queue

@@ -727,13 +727,13 @@ void ShmCommunicator::transfer(std::vector<Transfer>& transfers, int channel, co
         if (t.send) {
           if (t.header_done == 0) {
             t.source = t.bytes >= kDirectMinBytes ? shared_offset(t.data) : kNotShared;
-            t.header = t.bytes | (t.source != kNotShared ? kDirectMessage : 0);
+            t.header = {t.bytes | (t.source != kNotShared ? kDirectMessage : 0), t.clock};
           }
           n = r.push(header + t.header_done, sizeof(t.header) - t.header_done);
         } else if (r.readable() >= sizeof(t.header)) {
           n = r.pop(header, sizeof(t.header));
-          if ((t.header & ~kDirectMessage) != t.bytes) {
-            t.header &= ~kDirectMessage;
+          if ((t.header.length & ~kDirectMessage) != t.bytes) {
+            t.header.length &= ~kDirectMessage;
             r.refused().store(1, std::memory_order_release);
             ring_bell(t.peer);
             fail_size(t, what);
@@ -742,7 +742,7 @@ void ShmCommunicator::transfer(std::vector<Transfer>& transfers, int channel, co
         t.header_done += n;
       }
       if (t.header_done == sizeof(t.header) && t.done < t.bytes) {
-        if (t.header & kDirectMessage) {
+        if (t.header.length & kDirectMessage) {
           n += step_direct(t, r);
         } else {
           size_t m = t.send ? r.push(t.data + t.done, t.bytes - t.done) : r.pop(t.data + t.done, t.bytes - t.done);

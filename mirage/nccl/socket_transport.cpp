@@ -199,13 +199,13 @@ class SocketCommunicator final : public Communicator {
         const int fd = socket_of(t.peer, channel, t.send);
         bool would_block = false;
         if (t.header_done < sizeof(t.header)) {
-          if (t.send) t.header = t.bytes;
+          if (t.send) t.header = {t.bytes, t.clock};
           char* header = reinterpret_cast<char*>(&t.header);
           const ssize_t n = t.send ? ::send(fd, header + t.header_done, sizeof(t.header) - t.header_done, MSG_NOSIGNAL)
                                    : ::recv(fd, header + t.header_done, sizeof(t.header) - t.header_done, 0);
           would_block = !account(n, t.header_done, t, what);
           moved |= n > 0;
-          if (!t.send && t.header_done == sizeof(t.header) && t.header != t.bytes) fail_size(t, what);
+          if (!t.send && t.header_done == sizeof(t.header) && t.header.length != t.bytes) fail_size(t, what);
         }
         if (!would_block && t.header_done == sizeof(t.header) && t.done < t.bytes) {
           const ssize_t n = t.send ? ::send(fd, t.data + t.done, t.bytes - t.done, MSG_NOSIGNAL)

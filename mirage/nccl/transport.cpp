@@ -204,7 +204,7 @@ void Communicator::fail_timeout(const Timing& timing, const std::vector<int>& mi
 void Communicator::fail_size(const Transfer& t, const std::string& what) {
   unusable_ = true;
   TORCH_CHECK_WITH(DistBackendError, t.send, what, ": a receive of ", t.bytes, " bytes from group rank ", t.peer,
-                   " matched a send of ", t.header, " bytes (a send and its recv must have the same size, as with NCCL)");
+                   " matched a send of ", t.header.length, " bytes (a send and its recv must have the same size, as with NCCL)");
   TORCH_CHECK_WITH(DistBackendError, false, what, ": the send of ", t.bytes, " bytes to group rank ", t.peer,
                    " matched a receive of another size there (a send and its recv must have the same size, as with "
                    "NCCL)");

@@ -65,6 +65,13 @@ struct Reduction {
   const void* factor_data = nullptr;  // PREMUL_SUM with a tensor factor: one element of the dtype
 };
 
+// What travels ahead of a message: its length (a transport may flag it), and in clocked mode
+// the time the sender's stream reached the send, from which the receive can start.
+struct MessageHeader {
+  uint64_t length = 0;
+  int64_t clock = 0;
+};
+
 // One point-to-point transfer: `bytes` to or from group rank `peer`, due by `deadline`.
 struct Transfer {
   bool send;
@@ -74,7 +81,8 @@ struct Transfer {
   Clock::time_point deadline;
   std::chrono::milliseconds timeout;
   size_t done = 0;          // payload bytes moved
-  uint64_t header = 0;      // the message's length, sent ahead of it
+  MessageHeader header;     // sent ahead of the message (received: the sender's)
+  int64_t clock = 0;        // clocked mode, sending: when this rank's stream reaches the send
   size_t header_done = 0;
   uint64_t source = 0;      // a direct copy (shared memory transport): where the bytes lie in the sender's memory
   size_t source_done = 0;

@@ -1,6 +1,6 @@
 """CUDA graphs on emulated GPUs: torch.cuda.CUDAGraph, torch.cuda.graph, graph_pool_handle,
 make_graphed_callables and is_current_stream_capturing, as torch defines them, over the shim's
-capture (mirage_shim.cpp, "CUDA graph capture": captured work is recorded, not run; a replay
+capture (mirage/shim/graph_capture.cpp: captured work is recorded, not run; a replay
 runs it again on the captured memory).
 
 A CPU build's `torch._C._CUDAGraph` is a dummy class that refuses to be instantiated; torch's

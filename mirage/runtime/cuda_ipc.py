@@ -4,7 +4,7 @@ writes the sender sees.
 
 torch's own reductions (torch/multiprocessing/reductions.py) do the pickling and the receiver's
 cache; they call the storage's CUDA IPC methods, which a CPU build compiles out. Those are
-given here over the shim's shared segments (mirage_shim.cpp, "CUDA IPC"). The reference
+given here over the shim's shared segments (mirage/shim/cuda_ipc.cpp). The reference
 counters and events CUDA IPC passes along have nothing to count or wait for (the segment lives
 while the sender's storage does; work is complete once issued), so they travel empty.
 """

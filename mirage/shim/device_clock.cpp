@@ -124,7 +124,7 @@ int64_t run_on_stream(DeviceIndex dev, c10::StreamId stream, int64_t cost_ns, Wo
   int64_t& clock = stream_clock(tl, dev, stream);
   const int64_t start = std::max(clock, tl.host);
   clock = start + cost_ns;
-  tl.host += cost_model().launch_ns;
+  if (!tl_replaying) tl.host += cost_model().launch_ns;
   keep(tl, Interval{start, clock, name, bytes, flops, stream, kind, dev});
   return clock;
 }
@@ -136,7 +136,7 @@ int64_t run_at(DeviceIndex dev, c10::StreamId stream, int64_t start, int64_t cos
   int64_t& clock = stream_clock(tl, dev, stream);
   const int64_t begin = std::max({clock, start, tl.host});
   clock = begin + cost_ns;
-  tl.host += cost_model().launch_ns;
+  if (!tl_replaying) tl.host += cost_model().launch_ns;
   keep(tl, Interval{begin, clock, name, bytes, flops, stream, kind, dev});
   return clock;
 }

@@ -39,7 +39,8 @@ struct Interval {
   DeviceIndex device;
 };
 
-// Puts work of `cost_ns` on `stream` of `dev`, issued by the host now: returns when it ends.
+// Puts work of `cost_ns` on `stream` of `dev`, issued by the host now (the host pays the launch,
+// except inside a CUDA graph's replay): returns when it ends.
 int64_t run_on_stream(DeviceIndex dev, c10::StreamId stream, int64_t cost_ns, WorkKind kind, const char* name,
                       int64_t bytes, double flops);
 // Work whose start was agreed elsewhere (a collective, from every rank's ready time).
@@ -61,6 +62,16 @@ struct KernelScope {
   KernelScope(const KernelScope&) = delete;
   KernelScope& operator=(const KernelScope&) = delete;
   const bool outermost;
+};
+
+// A CUDA graph's replay on this thread: its kernels were launched once, with the graph.
+inline thread_local bool tl_replaying = false;
+struct ReplayScope {
+  ReplayScope() : outer(tl_replaying) { tl_replaying = true; }
+  ~ReplayScope() { tl_replaying = outer; }
+  ReplayScope(const ReplayScope&) = delete;
+  ReplayScope& operator=(const ReplayScope&) = delete;
+  const bool outer;
 };
 
 }  // namespace mirage

@@ -2,8 +2,10 @@
 
 #include "config.h"
 #include "device_guard.h"
+#include "device_clock.h"
 #include "device_memory.h"
 #include "host_views.h"
+#include "op_cost.h"
 #include "op_path.h"
 
 #include <ATen/ATen.h>
@@ -217,6 +219,10 @@ TORCH_LIBRARY_FRAGMENT(mirage, m) {
       TORCH_CHECK(it != mirage::g_graphs.end(), "Called CUDAGraph::replay without a preceding successful capture.");
       steps = it->second.steps;
     }
+    // One launch for the whole graph: its kernels follow each other on the stream without the
+    // host's per-kernel launch cost (clocked mode).
+    if (mirage::timing()) mirage::host_waits_for(mirage::host_time() + mirage::cost_model().launch_ns);
+    mirage::ReplayScope replaying;
     for (auto& step : steps) step();
   });
   m.def("graph_reset(int graph) -> ()", [](int64_t graph) {

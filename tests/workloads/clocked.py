@@ -74,4 +74,53 @@ def steps() -> None:
     print(json.dumps({"done": True}))
 
 
-{"gemm": gemm, "straggler": straggler, "steps": steps}[MODE]()
+def pipeline() -> None:
+    """Rank 0 computes, then sends; rank 1 receives at once: its receive ends after rank 0's work."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    torch.cuda.set_device(rank)
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    t = torch.ones(2**20, device="cuda")
+    dist.all_reduce(t)  # both ranks' clocks joined
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    if rank == 0:
+        for _ in range(20):
+            a @ a
+        dist.send(t, 1)
+    else:
+        dist.recv(t, 0)
+    end.record()
+    torch.cuda.synchronize()
+    print(json.dumps({"rank": rank, "ms": start.elapsed_time(end)}))
+    dist.destroy_process_group()
+
+
+def graph() -> None:
+    """Small kernels eagerly (launch-bound) and as a CUDA graph replay (launched once)."""
+    x = torch.zeros(1024, device="cuda")
+
+    def work() -> None:
+        for _ in range(20):
+            x.add_(1)
+
+    work()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        work()
+    times = {}
+    for name, fn in (("eager_ms", work), ("graph_ms", g.replay)):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times[name] = start.elapsed_time(end)
+    print(json.dumps(times))
+
+
+{"gemm": gemm, "straggler": straggler, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
