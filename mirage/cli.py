@@ -2,7 +2,7 @@
 
 Usage:
     mirage run [--profile P] [--gpus-per-node N] [--num-nodes M] [--nproc-per-node K]
-               [--timing [--trace PATH] [--virtual-clock] [--timing-tuning FILE]]
+               [--timing [--trace PATH] [--virtual-clock] [--timing-tuning FILE] [--predict-only]]
                [--env K=V]... [--workdir DIR] [--clear-env-vars] -- CMD ARGS...
     mirage ps [--json]                         live sessions
     mirage smi [--session ID] [--json] [--watch [SECONDS]]
@@ -93,6 +93,8 @@ def _build_parser() -> _Parser:
                      help="with --timing: time.time/perf_counter/monotonic in the workload follow the prediction")
     run.add_argument("--timing-tuning", metavar="FILE",
                      help="with --timing: a TOML file overriding the profile's timing numbers")
+    run.add_argument("--predict-only", action="store_true",
+                     help="with --timing: predict without running the kernels (results hold no values)")
     run.add_argument("--clear-env-vars", action="store_true",
                      help="start from an almost empty environment (PATH, HOME, USER, LANG, ...)")
 
@@ -208,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             hang_timeout=args.hang_timeout, quiet=args.quiet, summary_json=args.summary_json,
             env=args.env, workdir=args.workdir, clear_env=args.clear_env_vars, timing=args.timing,
             trace=args.trace, virtual_clock=args.virtual_clock, timing_tuning=args.timing_tuning,
+            predict_only=args.predict_only,
         )
         try:
             return launcher.run_session(request)

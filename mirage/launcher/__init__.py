@@ -70,6 +70,7 @@ class RunRequest:
     trace: str | None = None             # write the predicted timeline (Chrome/Perfetto trace)
     virtual_clock: bool = False          # the workload's time.* follow the predicted clock
     timing_tuning: str | None = None     # a TOML file overriding the model's numbers
+    predict_only: bool = False           # place kernels on the timeline without running them
 
 
 def runtime_root() -> Path:
@@ -141,7 +142,7 @@ def validate(request: RunRequest) -> tuple[profiles.Profile, int]:
 def _validate_timing(request: RunRequest, profile: profiles.Profile) -> None:
     """Clocked mode's flags, refused before anything starts when they cannot work."""
     for flag, given in (("--trace", request.trace), ("--virtual-clock", request.virtual_clock),
-                        ("--timing-tuning", request.timing_tuning)):
+                        ("--timing-tuning", request.timing_tuning), ("--predict-only", request.predict_only)):
         if given and not request.timing:
             raise UsageError(f"{flag} needs clocked mode: add --timing (mirage run --timing {flag} ... -- CMD)")
     if not request.timing:
@@ -289,6 +290,8 @@ def run_session(request: RunRequest) -> int:
                 emulator["MIRAGE_TRACE"] = "1"
             if request.virtual_clock:
                 emulator["MIRAGE_VIRTUAL_CLOCK"] = "1"
+            if request.predict_only:
+                emulator["MIRAGE_PREDICT_ONLY"] = "1"
             if request.timing_tuning:
                 emulator["MIRAGE_TIMING_TUNING"] = str(Path(request.timing_tuning).expanduser().resolve())
         user = environment.parse_assignments(request.env)

@@ -25,6 +25,12 @@ inline bool timing() {
   return on;
 }
 
+// --predict-only: kernels are not run, only placed on the timeline (results hold no values).
+inline bool predict_only() {
+  static const bool on = timing() && std::getenv("MIRAGE_PREDICT_ONLY") != nullptr && *std::getenv("MIRAGE_PREDICT_ONLY");
+  return on;
+}
+
 // What bounded a piece of device work (the report's split of a step).
 enum class WorkKind : uint8_t { kCompute = 0, kMemory = 1, kCollective = 2, kCopy = 3 };
 

@@ -33,6 +33,14 @@ namespace {
 using at::Tensor;
 using at::SDPBackend;
 
+// --predict-only: attention's outputs with their shapes and no values (out, logsumexp).
+std::tuple<Tensor, Tensor> predicted_attention(const Tensor& query, const Tensor& value) {
+  std::vector<int64_t> shape = query.sizes().vec();
+  shape.back() = value.size(-1);
+  return {at::empty(shape, query.options()), at::empty({query.size(0), query.size(1), query.size(2)},
+                                                       query.options().dtype(at::kFloat))};
+}
+
 bool half_precision(const Tensor& t) { return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16; }
 
 // What both fused kernels require of the inputs: 4-D (batch, heads, length, head dim), one head
@@ -82,7 +90,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, c10::SymInt, c10::SymInt, Tensor, Ten
     bool /*return_debug_mask*/, std::optional<double> scale) {
   TORCH_CHECK(dropout_p == 0.0, "mirage: flash attention with dropout is not emulated (the CPU kernel has none)");
   KernelScope kernel;
-  auto [out, logsumexp] = at::_scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, {}, scale);
+  auto [out, logsumexp] = predict_only() ? predicted_attention(query, value)
+                                         : at::_scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0,
+                                                                                           is_causal, {}, scale);
   const Tensor rng = at::empty({2}, query.options().dtype(at::kLong));
   rng.zero_();
   if (timing() && kernel.outermost) {
@@ -97,8 +107,9 @@ std::tuple<Tensor, Tensor, Tensor> flash_attention_backward(const Tensor& grad_o
     c10::SymInt, c10::SymInt, double dropout_p, bool is_causal, const Tensor&, const Tensor&,
     std::optional<double> scale) {
   KernelScope kernel;
-  auto grads = at::_scaled_dot_product_flash_attention_for_cpu_backward(grad_out, query, key, value, out, logsumexp,
-                                                                        dropout_p, is_causal, {}, scale);
+  auto grads = predict_only() ? std::make_tuple(at::empty_like(query), at::empty_like(key), at::empty_like(value))
+                              : at::_scaled_dot_product_flash_attention_for_cpu_backward(
+                                    grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, {}, scale);
   if (timing() && kernel.outermost) {
     clock_fused_kernel("aten::_scaled_dot_product_flash_attention_backward", {grad_out, query, key, value, out},
                        {std::get<0>(grads), std::get<1>(grads), std::get<2>(grads)}, is_causal);
@@ -125,7 +136,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> efficient_attention(const Tensor& que
   KernelScope kernel;
   const std::optional<Tensor> mask = attn_bias && attn_bias->defined() ? std::optional<Tensor>(attn_bias->to(query.scalar_type()))
                                                                        : std::nullopt;
-  auto [out, logsumexp] = at::_scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, mask, scale);
+  auto [out, logsumexp] = predict_only() ? predicted_attention(query, value)
+                                         : at::_scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0,
+                                                                                           is_causal, mask, scale);
   const int64_t length = query.size(2);
   const int64_t rows = compute_log_sumexp ? logsumexp_rows(length) : 0;
   Tensor lse = at::full({query.size(0), query.size(1), rows}, std::numeric_limits<float>::infinity(),
@@ -174,7 +187,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> efficient_attention_backward(const Te
     const Tensor& seed, const Tensor& offset, double dropout_p, std::array<bool, 4> grad_input_mask, bool is_causal,
     std::optional<double> scale) {
   KernelScope kernel;
-  auto grads = efficient_attention_backward_kernel(grad_out, query, key, value, attn_bias, out, logsumexp, seed, offset,
+  auto grads = predict_only() ? std::make_tuple(at::empty_like(query), at::empty_like(key), at::empty_like(value),
+                                                attn_bias.defined() && grad_input_mask[3] ? at::empty_like(attn_bias) : Tensor())
+                              : efficient_attention_backward_kernel(grad_out, query, key, value, attn_bias, out, logsumexp, seed, offset,
                                                    dropout_p, grad_input_mask, is_causal, scale);
   if (timing() && kernel.outermost) {
     clock_fused_kernel("aten::_scaled_dot_product_efficient_attention_backward", {grad_out, query, key, value, out},

@@ -93,18 +93,21 @@ void record_step(std::function<void()> step) {
   g_graphs[g_capturing.load()].steps.push_back(std::move(step));
 }
 
-// Records one op issued during capture and leaves its (not yet computed) results on the stack.
-void capture_op(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+bool run_on_meta(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool capture,
+                 std::vector<std::pair<at::Tensor, size_t>>* fresh) {
   const size_t num_args = op.schema().arguments().size();
   const size_t base = stack->size() - num_args;
-  // what the graph keeps of the arguments, taken before they are swapped for meta stand-ins below
-  std::vector<c10::IValue> inputs;
-  for (size_t i = base; i < stack->size(); ++i) inputs.push_back(graph_reference((*stack)[i]));
+  std::vector<c10::IValue> originals;  // to run the kernel after all, outside a capture
+  if (!capture) originals.assign(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
+  bool host_tensor = false;
   std::vector<std::pair<at::Tensor, at::Tensor>> metas;  // (meta stand-in, device tensor)
   DeviceIndex target = tl_device;
   auto to_meta = [&](const at::Tensor& t) -> at::Tensor {
     if (!t.defined() || !t.is_cuda()) {
-      if (t.defined() && t.dim() > 0) refuse_during_capture();  // a host tensor in device work
+      if (t.defined() && t.dim() > 0) {
+        if (capture) refuse_during_capture();  // a host tensor in device work
+        host_tensor = true;
+      }
       return t;
     }
     target = t.device().index();
@@ -129,17 +132,28 @@ void capture_op(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       iv = c10::IValue(c10::Device(c10::kMeta));
     }
   }
+  auto give_back = [&] {  // the arguments as they came, for the real kernel
+    stack->resize(base);
+    stack->insert(stack->end(), originals.begin(), originals.end());
+    return false;
+  };
+  if (host_tensor) return give_back();
   try {
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), stack);
   } catch (...) {  // c10::Error, or a Python meta function's exception
+    if (!capture) return give_back();
     refuse_during_capture();  // no shape without the data (nonzero, item, ...): the GPU syncs
   }
-  std::vector<std::pair<at::Tensor, size_t>> fresh;  // results the replay copies in, by position
   const size_t num_returns = op.schema().returns().size();
   const size_t ret_base = stack->size() - num_returns;
   for (size_t i = 0; i < num_returns; ++i) {
+    if (!(*stack)[ret_base + i].isTensor()) {
+      if (!capture) return give_back();
+      refuse_during_capture();  // a host value from device data
+    }
+  }
+  for (size_t i = 0; i < num_returns; ++i) {
     c10::IValue& iv = (*stack)[ret_base + i];
-    if (!iv.isTensor()) refuse_during_capture();  // a host value from device data
     const at::Tensor m = iv.toTensor();
     at::Tensor result;
     for (auto& [meta, device] : metas) {
@@ -152,10 +166,22 @@ void capture_op(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     }
     if (!result.defined()) {
       result = at::empty_strided(m.sizes(), m.strides(), m.options().device(c10::Device(DeviceType::CUDA, target)));
-      fresh.emplace_back(result, i);
+      if (fresh) fresh->emplace_back(result, i);
     }
     iv = result;
   }
+  return true;
+}
+
+// Records one op issued during capture and leaves its (not yet computed) results on the stack.
+void capture_op(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const size_t num_args = op.schema().arguments().size();
+  const size_t base = stack->size() - num_args;
+  // what the graph keeps of the arguments, taken before they are swapped for meta stand-ins
+  std::vector<c10::IValue> inputs;
+  for (size_t i = base; i < stack->size(); ++i) inputs.push_back(graph_reference((*stack)[i]));
+  std::vector<std::pair<at::Tensor, size_t>> fresh;  // results the replay copies in, by position
+  run_on_meta(op, stack, true, &fresh);
   for (auto& [captured, position] : fresh) captured = graph_reference(captured);
   record_step([op, inputs, fresh] {
     torch::jit::Stack replay(inputs.begin(), inputs.end());

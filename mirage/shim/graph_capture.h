@@ -9,6 +9,8 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <utility>
+#include <vector>
 
 namespace mirage {
 
@@ -22,6 +24,12 @@ inline bool capturing() { return g_capturing.load(std::memory_order_relaxed) != 
 at::Tensor graph_reference(const at::Tensor& t);
 // Appends a step to the graph being captured.
 void record_step(std::function<void()> step);
+// The op's results without running it: its Meta kernel's shapes, fresh results allocated on the
+// device (contents undefined) and aliases of arguments mapped back to them; `fresh` receives the
+// fresh ones with their positions. For a capture, what a GPU refuses raises CUDA's error; else
+// (clocked mode's --predict-only) an op that needs its data returns false, its arguments intact.
+bool run_on_meta(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool capture,
+                 std::vector<std::pair<at::Tensor, size_t>>* fresh);
 // Records one op issued during capture and leaves its (not yet computed) results on the stack.
 void capture_op(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 

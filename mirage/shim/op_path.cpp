@@ -80,6 +80,63 @@ static const OpTraits& traits_of(const c10::FunctionSchema& schema) {
   return traits;
 }
 
+// Clocked mode: a kernel of `op` on `device` reading `bytes_in` (its results' bytes are added)
+// placed on the device's current stream; the host waits for it where a GPU's would.
+static void clock_kernel(const c10::OperatorHandle& op, const OpTraits& traits, DeviceIndex device,
+                         at::ScalarType dtype, int64_t bytes_in, const std::vector<c10::IValue>& arguments,
+                         const c10::IValue* results) {
+  if (traits.returns_view || tl_kernel_depth > 0) return;  // a view launches nothing; a fused kernel is timed whole
+  int64_t bytes = bytes_in;
+  for (size_t i = 0; i < traits.num_returns; ++i) {
+    if (results[i].isTensor() && results[i].toTensor().defined()) {
+      const at::Tensor& out = results[i].toTensor();
+      if (out.is_cuda()) bytes += static_cast<int64_t>(out.numel() * out.itemsize());
+    }
+  }
+  double flops = 0;
+  int64_t tiles = 0;
+  if (traits.has_flops) {
+    flops = flop_count(op, arguments, results, traits.num_returns);
+    tiles = gemm_tiles(op.schema(), results, traits.num_returns);
+  }
+  const KernelCost cost = kernel_cost(flops, bytes, dtype, tiles);
+  const int64_t end = run_on_stream(device, tl_stream[device], cost.ns, cost.kind, op.schema().name().c_str(),
+                                    bytes, flops);
+  if (traits.synchronizes) host_waits_for(end);
+}
+
+// --predict-only: the op's results from its Meta kernel (contents undefined) and its predicted
+// time, without running the CPU kernel; false where the op needs its data (it then runs).
+static bool predict_without_running(const c10::OperatorHandle& op, const OpTraits& traits, torch::jit::Stack* stack) {
+  if (traits.synchronizes) return false;  // .item(), nonzero: their values steer the program
+  const size_t base = stack->size() - traits.num_args;
+  std::vector<c10::IValue> arguments(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
+  DeviceIndex device = -1;
+  at::ScalarType dtype = at::kFloat;
+  int64_t bytes = 0;
+  auto count = [&](const at::Tensor& t) {
+    if (!t.defined() || !t.is_cuda()) return t;
+    if (device < 0) {
+      device = t.device().index();
+      dtype = t.scalar_type();
+    }
+    bytes += static_cast<int64_t>(t.numel() * t.itemsize());
+    return t;
+  };
+  for (c10::IValue& iv : arguments) {
+    if (iv.isTensor()) {
+      count(iv.toTensor());
+    } else if (iv.isTensorList() || iv.isList()) {
+      c10::IValue copy = iv;
+      map_tensor_lists(copy, count);
+    }
+  }
+  if (device < 0) return false;  // factories (no device tensor in): cheap, and their values may matter
+  if (!run_on_meta(op, stack, false, nullptr)) return false;
+  clock_kernel(op, traits, device, dtype, bytes, arguments, stack->data() + (stack->size() - traits.num_returns));
+  return true;
+}
+
 // One call of an operator on the op path: its device arguments aliased as CPU tensors, the CPU
 // kernel run on them, its CPU results turned into device tensors.
 struct OpCall {
@@ -206,27 +263,8 @@ struct OpCall {
 
   // Clocked mode: the kernel's place on the predicted timeline of its device's current stream.
   void clock() {
-    if (traits.returns_view || tl_kernel_depth > 0) return;  // a view launches nothing; a fused kernel is timed whole
-    const size_t ret_base = stack->size() - traits.num_returns;
-    const c10::IValue* results = stack->data() + ret_base;
-    at::ScalarType dtype = at::kFloat;
-    for (size_t i = 0; i < traits.num_returns; ++i) {
-      if (results[i].isTensor() && results[i].toTensor().defined()) {
-        const at::Tensor& out = results[i].toTensor();
-        if (out.is_cuda()) bytes += static_cast<int64_t>(out.numel() * out.itemsize());
-      }
-    }
-    if (!aliased.empty()) dtype = aliased.front().orig.scalar_type();
-    double flops = 0;
-    int64_t tiles = 0;
-    if (traits.has_flops) {
-      flops = flop_count(op, arguments, results, traits.num_returns);
-      tiles = gemm_tiles(op.schema(), results, traits.num_returns);
-    }
-    const KernelCost cost = kernel_cost(flops, bytes, dtype, tiles);
-    const int64_t end = run_on_stream(device, tl_stream[device], cost.ns, cost.kind, op.schema().name().c_str(),
-                                      bytes, flops);
-    if (traits.synchronizes) host_waits_for(end);
+    clock_kernel(op, traits, device, aliased.empty() ? at::kFloat : aliased.front().orig.scalar_type(), bytes,
+                 arguments, stack->data() + (stack->size() - traits.num_returns));
   }
 
   // Aliases nobody kept go back to the thread's spares.
@@ -240,7 +278,9 @@ struct OpCall {
 
 void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   if (capturing()) return capture_op(op, stack);  // recorded for replay, not run
-  OpCall call{op, traits_of(op.schema()), stack};
+  const OpTraits& traits = traits_of(op.schema());
+  if (C10_UNLIKELY(predict_only()) && predict_without_running(op, traits, stack)) return;  // shapes and time only
+  OpCall call{op, traits, stack};
   call.alias_arguments();
   {
     BusyTimer busy(call.device);  // utilization (host time)
