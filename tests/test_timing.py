@@ -123,6 +123,20 @@ def test_ddp_report_is_identical_twice_and_splits_the_step(tmp_path):
     assert ranks[0]["step_ms"] >= split["compute"] + split["memory"]
 
 
+def test_predict_only_predicts_what_the_full_run_predicts(tmp_path):
+    reports = {}
+    for mode in ("full", "predict-only"):
+        summary = tmp_path / f"{mode}.json"
+        extra = ["--predict-only"] if mode == "predict-only" else []
+        run = mirage("run", "--quiet", "--timing", *extra, "--summary-json", str(summary), "--profile", "h100",
+                     "--gpus-per-node", "1", "--", sys.executable, str(WORKLOAD), "gemm")
+        assert run.returncode == 0, run.stderr
+        reports[mode] = (last_json(run.stdout), json.loads(summary.read_text())["timing"]["ranks"][0])
+    (full_events, full), (predicted_events, predicted) = reports["full"], reports["predict-only"]
+    assert predicted_events["gemm_ms"] == full_events["gemm_ms"] and predicted_events["mul_ms"] == full_events["mul_ms"]
+    assert predicted["split_ms"] == full["split_ms"] and predicted["step_ms"] == full["step_ms"]
+
+
 def test_steps_come_from_the_users_marker_once_it_marks(tmp_path):
     summary = tmp_path / "summary.json"
     run = mirage("run", "--quiet", "--timing", "--summary-json", str(summary), "--profile", "h100",
@@ -155,8 +169,9 @@ def test_trace_has_every_ranks_kernels_collectives_ranges_and_memory(tmp_path):
 
 
 def test_clocked_flags_are_refused_before_anything_starts(tmp_path):
-    run = mirage("run", "--virtual-clock", "--", sys.executable, "-c", "print('ran')")
-    assert run.returncode == 2 and "add --timing" in run.stderr and "ran" not in run.stdout
+    for flag in ("--virtual-clock", "--predict-only"):
+        run = mirage("run", flag, "--", sys.executable, "-c", "print('ran')")
+        assert run.returncode == 2 and "add --timing" in run.stderr and "ran" not in run.stdout
     run = mirage("run", "--timing", "--trace", "/nonexistent-dir/run.json", "--", sys.executable, "-c", "print('ran')")
     assert run.returncode == 2 and "cannot write there" in run.stderr and "ran" not in run.stdout
     tuning = tmp_path / "tuning.toml"

@@ -157,7 +157,12 @@ bool run_on_meta(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool c
     const at::Tensor m = iv.toTensor();
     at::Tensor result;
     for (auto& [meta, device] : metas) {
-      if (meta.unsafeGetTensorImpl() == m.unsafeGetTensorImpl()) result = device;
+      if (meta.unsafeGetTensorImpl() != m.unsafeGetTensorImpl()) continue;
+      result = device;
+      if (m.sizes() != device.sizes() || m.strides() != device.strides()) {  // an out= argument the kernel resized
+        result.resize_(m.sizes());
+        if (m.strides() != result.strides()) result.as_strided_(m.sizes(), m.strides(), m.storage_offset());
+      }
     }
     if (!result.defined()) {
       for (auto& [meta, device] : metas) {

@@ -1,0 +1,121 @@
+"""End-to-end case for clocked mode's validation: a GPT-2-style model trained data-parallel, as
+published runs configure it (bench/validate.py's end-to-end cases run this under
+`mirage run --timing --predict-only`; on a real GPU box it runs as is, under torchrun).
+
+    torchrun --nproc_per_node=8 bench/e2e_gpt.py --layers 12 --dim 768 --heads 12 --seq 1024 --batch 64
+
+A nanoGPT-shaped transformer (pre-LayerNorm blocks, causal scaled_dot_product_attention, GELU
+MLP of 4x, tied embeddings; MPT's shapes with --dim/--layers/--heads/--vocab), bf16 autocast,
+AdamW, DDP over NCCL or (--fsdp) FSDP2 as llm-foundry's MPT runs shard. Prints one JSON line from rank 0:
+the median step time its own CUDA events measured and the tokens per second per GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers: int, dim: int, heads: int, vocab: int, seq: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--dim", type=int, default=768)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=64, help="sequences per GPU per micro-step")
+    ap.add_argument("--accumulate", type=int, default=1, help="micro-steps per optimizer step")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--fsdp", action="store_true",
+                    help="FSDP2 FULL_SHARD per block, bf16 parameters and reductions (MPT's 'PURE'), "
+                         "initialised on the meta device as llm-foundry does; default DDP")
+    args = ap.parse_args()
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if args.fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        with torch.device("meta"):
+            model = GPT(args.layers, args.dim, args.heads, args.vocab, args.seq)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        model.to_empty(device="cuda")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().normal_(std=0.02)  # each rank its shard
+        ddp = model
+    else:
+        model = GPT(args.layers, args.dim, args.heads, args.vocab, args.seq).cuda()
+        ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, weight_decay=0.1)
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")
+    times = []
+    for _ in range(args.steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for micro in range(args.accumulate):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = ddp(idx, idx) / args.accumulate
+            if micro < args.accumulate - 1 and not args.fsdp:
+                with ddp.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    step_ms = statistics.median(times[1:] if len(times) > 1 else times)
+    tokens = args.batch * args.seq * args.accumulate
+    if rank == 0:
+        print("E2E " + json.dumps({"step_ms": step_ms, "tokens_per_s_per_gpu": tokens / (step_ms / 1e3)}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
