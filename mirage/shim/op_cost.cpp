@@ -59,6 +59,7 @@ CostModel load_model() {
   m.flops_per_ns_fp32 = need(p, "peak_tflops.fp32") * kTflops;
   m.flops_per_ns_tf32 = need(p, "peak_tflops.tf32") * kTflops;
   m.gemm_efficiency = need(p, "gemm_efficiency");
+  m.gemm_efficiency_fp8 = need(p, "gemm_efficiency_fp8");
   m.tile_m = static_cast<int64_t>(need(p, "gemm_tile_m"));
   m.tile_n = static_cast<int64_t>(need(p, "gemm_tile_n"));
   m.compute_units = static_cast<int64_t>(need(p, "compute_units"));
@@ -144,7 +145,9 @@ KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, int64_
       const int64_t waves = (tiles + m.compute_units - 1) / m.compute_units;
       quantisation = static_cast<double>(tiles) / static_cast<double>(waves * m.compute_units);
     }
-    compute = flops / (peak_flops_per_ns(m, dtype) * m.gemm_efficiency * quantisation);
+    const bool fp8 = dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2 || dtype == at::kFloat8_e4m3fnuz ||
+                     dtype == at::kFloat8_e5m2fnuz;
+    compute = flops / (peak_flops_per_ns(m, dtype) * (fp8 ? m.gemm_efficiency_fp8 : m.gemm_efficiency) * quantisation);
   }
   const double memory = static_cast<double>(bytes) / m.memory_bytes_per_ns;
   const double ns = std::max(compute, memory) + m.kernel_fixed_ns;

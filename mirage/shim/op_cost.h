@@ -31,6 +31,7 @@ struct CostModel {
   double host_link_bytes_per_ns;  // achievable host <-> device bandwidth
   double flops_per_ns_bf16, flops_per_ns_fp16, flops_per_ns_fp8, flops_per_ns_fp32, flops_per_ns_tf32;
   double gemm_efficiency;         // the fraction of peak large GEMMs reach
+  double gemm_efficiency_fp8;     // the same for FP8 GEMMs (a smaller fraction of a larger peak)
   int64_t tile_m, tile_n, compute_units;
   double bus_bytes_per_ns;        // achievable busbw within a node
   double nvls_bytes_per_ns;       // all_reduce's busbw with NVLink SHARP (0: the profile has none)
