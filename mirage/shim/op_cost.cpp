@@ -68,6 +68,8 @@ CostModel load_model() {
   m.bus_bytes_per_ns = link_one_way * need(p, "nccl_bus_efficiency");
   m.nvls_bytes_per_ns = link_one_way * need(p, "nvls_bus_efficiency");
   m.bus_latency_ns = need(p, "nccl_latency_us") * 1e3;
+  m.ll_latency_ns = need(p, "nccl_ll_latency_us") * 1e3;
+  m.ll_efficiency = need(p, "nccl_ll_efficiency");
   m.nic_bytes_per_ns = need(p, "nic_bandwidth_gbs") * need(p, "nic_efficiency") * kGBs;
   m.nic_latency_ns = need(p, "nic_latency_us") * 1e3;
   m.p2p_bytes_per_ns = link_one_way * need(p, "nccl_bus_efficiency");
@@ -257,16 +259,21 @@ extern "C" int64_t mirage_collective_cost_ns(int kind, int64_t bytes, int ranks,
   double bus = kind == 9 ? m.p2p_bytes_per_ns : m.bus_bytes_per_ns;
   // NVLink SHARP reduces in the switch: NCCL takes it for all_reduce on more than 4 GPUs a node.
   if (kind == 0 && m.nvls_bytes_per_ns > 0 && per_node > 4) bus = m.nvls_bytes_per_ns;
-  double transfer = size * bus_factor(kind, n) / bus;
-  double latency = m.bus_latency_ns;
+  double across = 0, extra = 0;  // between nodes: what each GPU's NIC carries, and the hops' latency
   if (nodes > 1) {
-    const double across = kind == 9 ? size
-                          : kind == 7 ? size * (n - per_node) / n  // the share that leaves the node
-                                      : size / per_node * bus_factor(kind, nodes);
-    transfer = std::max(transfer, across / m.nic_bytes_per_ns);
-    latency += m.nic_latency_ns * std::ceil(std::log2(static_cast<double>(nodes)));
+    across = kind == 9 ? size
+             : kind == 7 ? size * (n - per_node) / n  // the share that leaves the node
+                         : size / per_node * bus_factor(kind, nodes);
+    extra = m.nic_latency_ns * std::ceil(std::log2(static_cast<double>(nodes)));
   }
-  return static_cast<int64_t>(std::llround(latency + transfer));
+  // One protocol: its latency, then the bytes at its share of the links' (and NICs') bandwidth.
+  auto protocol = [&](double latency, double efficiency) {
+    double transfer = size * bus_factor(kind, n) / (bus * efficiency);
+    if (nodes > 1) transfer = std::max(transfer, across / (m.nic_bytes_per_ns * efficiency));
+    return latency + extra + transfer;
+  };
+  const double simple = protocol(m.bus_latency_ns, 1.0), ll = protocol(m.ll_latency_ns, m.ll_efficiency);
+  return static_cast<int64_t>(std::llround(std::min(simple, ll)));
 }
 
 TORCH_LIBRARY_FRAGMENT(mirage, m) {

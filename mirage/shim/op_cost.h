@@ -8,7 +8,8 @@
 //               attention and their backwards); bytes: the tensors the kernel reads and writes
 //   copy        bytes / host-link bandwidth (host <-> device), else as a memory-bound kernel
 //   collective  latency + bytes x NCCL's bus factor / achievable bus bandwidth (nccl-tests'
-//               busbw) within a node; across nodes the hierarchical algorithm's slower phase:
+//               busbw) within a node, the faster of NCCL's protocols (Simple: full bandwidth
+//               after a longer latency; LL: a short latency at a fraction of it); across nodes the hierarchical algorithm's slower phase:
 //               the node's links, or each GPU's NIC carrying its 1/g share between the nodes.
 #pragma once
 
@@ -35,7 +36,9 @@ struct CostModel {
   int64_t tile_m, tile_n, compute_units;
   double bus_bytes_per_ns;        // achievable busbw within a node
   double nvls_bytes_per_ns;       // all_reduce's busbw with NVLink SHARP (0: the profile has none)
-  double bus_latency_ns;          // a collective's fixed cost within a node
+  double bus_latency_ns;          // a collective's fixed cost within a node (NCCL's Simple protocol)
+  double ll_latency_ns;           // the same with NCCL's LL protocol (small messages)
+  double ll_efficiency;           // the fraction of the bus bandwidth LL reaches
   double nic_bytes_per_ns;        // achievable busbw per GPU across nodes
   double nic_latency_ns;          // added per doubling of nodes
   double p2p_bytes_per_ns;        // one direction of one GPU's links (send/recv)
