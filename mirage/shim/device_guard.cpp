@@ -18,7 +18,6 @@ c10::StreamId new_stream_id() { return g_next_stream_id++; }
 // What an event holds: when it was recorded (ns: host time, or in clocked mode predicted time).
 struct RecordedEvent {
   int64_t ns = 0;
-  DeviceIndex device = 0;
   bool recorded = false;
 };
 
@@ -55,7 +54,6 @@ struct MirageGuard final : c10::impl::DeviceGuardImplInterface {
     if (*event == nullptr) *event = new RecordedEvent{};
     auto* e = static_cast<RecordedEvent*>(*event);
     e->recorded = true;
-    e->device = stream.device_index();
     if (timing()) {  // an idle stream reaches the record when the host issues it
       e->ns = std::max(stream_time(stream.device_index(), stream.id()), host_time());
     } else {

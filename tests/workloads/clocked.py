@@ -34,8 +34,9 @@ def gemm() -> None:
     print(json.dumps({"gemm_ms": start.elapsed_time(end) / 5, "host_s": host, "mul_ms": start2.elapsed_time(end2)}))
 
 
-def straggler() -> None:
-    """Two ranks; rank 1 computes first: rank 0's all_reduce ends only after rank 1 reaches it."""
+def two_ranks():
+    """The NCCL group of two ranks, a GEMM operand and a buffer, both ranks' clocks joined by a
+    first all_reduce."""
     import torch.distributed as dist
 
     dist.init_process_group("nccl")
@@ -43,8 +44,14 @@ def straggler() -> None:
     torch.cuda.set_device(rank)
     a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
     t = torch.ones(2**20, device="cuda")
-    dist.all_reduce(t)  # warm up: both ranks' clocks joined
+    dist.all_reduce(t)
     torch.cuda.synchronize()
+    return dist, rank, a, t
+
+
+def straggler() -> None:
+    """Two ranks; rank 1 computes first: rank 0's all_reduce ends only after rank 1 reaches it."""
+    dist, rank, a, t = two_ranks()
     start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
     start.record()
     if rank == 1:
@@ -76,15 +83,7 @@ def steps() -> None:
 
 def pipeline() -> None:
     """Rank 0 computes, then sends; rank 1 receives at once: its receive ends after rank 0's work."""
-    import torch.distributed as dist
-
-    dist.init_process_group("nccl")
-    rank = dist.get_rank()
-    torch.cuda.set_device(rank)
-    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
-    t = torch.ones(2**20, device="cuda")
-    dist.all_reduce(t)  # both ranks' clocks joined
-    torch.cuda.synchronize()
+    dist, rank, a, t = two_ranks()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     if rank == 0:
