@@ -4,7 +4,7 @@
 
 For each case it asks the model of the case's profile (in a `mirage run --timing --profile P`
 process, with the case's tuning where its system differs from the profile, e.g. its NIC) for the
-predicted time of the same GEMM, streaming kernel or collective, turns it into the unit the source
+predicted time of the same GEMM, fused attention, streaming kernel or collective, turns it into the unit the source
 reports (TFLOP/s, GB/s, nccl-tests busbw) and prints the error. Cases in the calibration set are
 those the profiles' [timing] numbers were taken from; the held-out set's median error is the
 figure of merit. Runs in seconds: nothing is computed on this machine but the model.
@@ -40,6 +40,10 @@ def predict(cases: list[dict]) -> list[float]:
             out.append(2 * case["m"] * case["n"] * case["k"] / ns / 1e3)  # TFLOP/s
         elif case["kind"] == "stream":
             out.append(case["bytes"] / torch.ops.mirage.clock_predict_stream_ns(case["bytes"]))  # GB/s
+        elif case["kind"] == "attention":
+            b, h, s, d, causal = case["batch"], case["heads"], case["seq"], case["head_dim"], case["causal"]
+            ns = torch.ops.mirage.clock_predict_attention_ns(b, h, s, d, causal, getattr(torch, case["dtype"]))
+            out.append(4 * b * h * s * s * d / (2 if causal else 1) / ns / 1e3)  # TFLOP/s, FlashAttention's count
         else:
             ns = torch.ops.mirage.clock_predict_collective_ns(KIND[case["op"]], case["bytes"], case["ranks"], case["nodes"])
             out.append(case["bytes"] * BUS_FACTOR[case["op"]](case["ranks"]) / ns)  # busbw GB/s
@@ -78,11 +82,15 @@ def describe(case: dict) -> str:
         return f"GEMM {case['m']}x{case['n']}x{case['k']} {case['dtype']}"
     if case["kind"] == "stream":
         return f"streaming kernel, {case['bytes'] / 2**20:.0f} MiB moved"
+    if case["kind"] == "attention":
+        return (f"attention forward {case['batch']}x{case['heads']}x{case['seq']}x{case['head_dim']} "
+                f"{'causal' if case['causal'] else 'non-causal'} {case['dtype']}")
     where = f"{case['ranks']} GPUs" + (f", {case['nodes']} nodes" if case["nodes"] > 1 else "")
     return f"{case['op']} {case['bytes'] / 2**20:.0f} MiB, {where}"
 
 
-UNIT = {"gemm": "TFLOP/s", "stream": "GB/s", "collective": "busbw GB/s"}
+UNIT = {"gemm": "TFLOP/s", "attention": "TFLOP/s", "stream": "GB/s", "collective": "busbw GB/s"}
+GROUP = {"gemm": "gemm", "attention": "attention", "stream": "memory", "collective": "collective"}
 
 
 def table(cases: list[dict], predicted: list[float]) -> tuple[str, dict]:
@@ -90,7 +98,7 @@ def table(cases: list[dict], predicted: list[float]) -> tuple[str, dict]:
     errors: dict[tuple[str, str], list[float]] = {}
     for case, value in zip(cases, predicted):
         error = (value - case["value"]) / case["value"]
-        group = "gemm" if case["kind"] == "gemm" else "memory" if case["kind"] == "stream" else "collective"
+        group = GROUP[case["kind"]]
         errors.setdefault((case["set"], group), []).append(abs(error))
         rows.append(f"| {case['id']} | {case['set']} | {case['profile']} | {describe(case)} | {case['value']:g} "
                     f"{UNIT[case['kind']]} | {value:.1f} | {100 * error:+.1f}% | {case['source']} |")

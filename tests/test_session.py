@@ -161,6 +161,20 @@ def test_summary_table_and_json(tmp_path):
     assert all(g["peak_bytes"] == profiles.load("mi350x").context_bytes + 2 * 2**20 for g in report["gpus"])
 
 
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_workload_starts(tmp_path):
+    for path, why in (("/nonexistent-dir/x.json", "cannot write there"), (str(tmp_path), "is a directory")):
+        result = mirage("run", "--summary-json", path, "--", "python", "-c", "print('ran')")
+        assert result.returncode == 2 and why in result.stderr and "ran" not in result.stdout
+
+
+def test_a_summary_that_fails_to_write_at_the_end_keeps_the_workloads_exit_code():
+    # /dev/full accepts the open and fails the write (ENOSPC), as a full disk does at the end
+    result = mirage("run", "--quiet", "--summary-json", "/dev/full", "--", "python", "-c", "raise SystemExit(3)")
+    assert result.returncode == 3
+    assert "--summary-json /dev/full not written: No space left on device" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_ranks_fail_fast_when_the_daemon_dies():
     script = "import time, torch\nprint('attached', flush=True)\ntime.sleep(60)\n"
     proc = start("--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", "-c", script)

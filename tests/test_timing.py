@@ -35,9 +35,9 @@ def model(name: str) -> dict[str, float]:
     return {n.key: n.value for n in profiles.timing_numbers(profiles.load(name))}
 
 
-def expected_gemm_ms(name: str, n: int) -> float:
-    """The cost model's formula for an n x n x n bf16 GEMM, from the profile's numbers."""
-    m = model(name)
+def expected_gemm_ms(name: str, n: int, **tuned: float) -> float:
+    """The cost model's formula for an n x n x n bf16 GEMM, from the profile's numbers (and `tuned`)."""
+    m = {**model(name), **tuned}
     tiles = math.ceil(n / m["gemm_tile_m"]) * math.ceil(n / m["gemm_tile_n"])
     quantisation = tiles / (math.ceil(tiles / m["compute_units"]) * m["compute_units"])
     compute_ns = 2 * n**3 / (m["peak_tflops.bf16"] * 1e3 * m["gemm_efficiency"] * quantisation)
@@ -51,12 +51,24 @@ def test_events_time_kernels_by_the_profiles_model(name):
                  sys.executable, str(WORKLOAD), "gemm")
     assert run.returncode == 0, run.stderr
     measured = last_json(run.stdout)
-    assert measured["gemm_ms"] == pytest.approx(expected_gemm_ms(name, 4096), rel=1e-3)
+    assert measured["gemm_ms"] == pytest.approx(expected_gemm_ms(name, 1024), rel=1e-3)
     m = model(name)
     mul_bytes = 2 * 4 * 2**24  # read and write 2^24 floats in place
     expected_mul = (mul_bytes / (m["memory_bandwidth_gbs"] * m["memory_efficiency"]) + m["kernel_overhead_us"] * 1e3) / 1e6
     assert measured["mul_ms"] == pytest.approx(expected_mul, rel=1e-3)
     assert "predicted timing on " + name in run.stderr
+
+
+def test_fused_attention_runs_at_the_profiles_attention_efficiency():
+    run = mirage("run", "--quiet", "--timing", "--profile", "h100", "--gpus-per-node", "1", "--",
+                 sys.executable, str(WORKLOAD), "attention")
+    assert run.returncode == 0, run.stderr
+    m = model("h100")
+    b, h, s, d = 2, 8, 1024, 128
+    flops = 4 * b * h * s * s * d / 2  # causal: the fused kernel skips the masked half
+    compute_ns = flops / (m["peak_tflops.bf16"] * 1e3 * m["attention_efficiency"])
+    expected_ms = (compute_ns + m["kernel_overhead_us"] * 1e3) / 1e6
+    assert last_json(run.stdout)["attention_ms"] == pytest.approx(expected_ms, rel=1e-2)
 
 
 def test_virtual_clock_makes_the_programs_own_timer_report_the_prediction():
@@ -75,7 +87,7 @@ def test_a_collective_starts_when_the_last_rank_reaches_it():
     lines = [json.loads(line.split("] ", 1)[1]) for line in run.stdout.splitlines() if "{" in line]
     by_rank = {line["rank"]: line for line in lines}
     busy = by_rank[1]["before_ms"]
-    assert busy > 20 * expected_gemm_ms("h100", 2048) * 0.99
+    assert busy > 20 * expected_gemm_ms("h100", 1024) * 0.99
     assert by_rank[0]["before_ms"] < busy / 10
     # rank 0 waited in the all_reduce for rank 1's GEMMs: both end at the same predicted time
     assert by_rank[0]["total_ms"] == pytest.approx(by_rank[1]["total_ms"], rel=1e-3)
@@ -88,7 +100,7 @@ def test_a_receive_ends_after_the_senders_work():
     assert run.returncode == 0, run.stderr
     by_rank = {line["rank"]: line for line in
                (json.loads(l.split("] ", 1)[1]) for l in run.stdout.splitlines() if "{" in l)}
-    work = 20 * expected_gemm_ms("h100", 2048)
+    work = 20 * expected_gemm_ms("h100", 1024)
     assert by_rank[0]["ms"] > work
     assert by_rank[1]["ms"] > work  # rank 1's receive waited for rank 0's GEMMs and send
     assert by_rank[1]["ms"] == pytest.approx(by_rank[0]["ms"], rel=0.05)
@@ -193,4 +205,5 @@ def test_a_tuning_file_overrides_the_model_and_is_shown_with_its_source(tmp_path
                  "--gpus-per-node", "1", "--", sys.executable, str(WORKLOAD), "gemm")
     assert run.returncode == 0, run.stderr
     slower = last_json(run.stdout)["gemm_ms"]
-    assert slower > expected_gemm_ms("h100", 4096) * 1.5
+    assert slower == pytest.approx(expected_gemm_ms("h100", 1024, gemm_efficiency=0.5), rel=1e-3)
+    assert slower > expected_gemm_ms("h100", 1024) * 1.4

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,7 +101,7 @@ def ensure_shim() -> Path:
     path = shim_build.library_path()
     if path.exists() and shim_build.nccl_module_path().exists():
         return path
-    narrate("building the device shim for this torch (first run only, about 30 s)")
+    narrate("building the device shim for this torch (first run only: a few minutes on 2 cores)")
     clean_env = {k: v for k, v in os.environ.items() if not k.startswith("MIRAGE_SHIM")}
     result = subprocess.run([sys.executable, "-m", "mirage.shim.build"], env=clean_env,
                             capture_output=True, text=True)
@@ -134,6 +135,8 @@ def validate(request: RunRequest) -> tuple[profiles.Profile, int]:
         environment.parse_assignments(request.env)
     except ValueError as err:
         raise UsageError(str(err)) from None
+    if request.summary_json:
+        check_output_path("--summary-json", request.summary_json, "summary.json")
     _validate_timing(request, profile)
     check_torch_is_cpu_build()
     return profile, gpus
@@ -153,13 +156,30 @@ def _validate_timing(request: RunRequest, profile: profiles.Profile) -> None:
     except profiles.ProfileError as err:
         raise UsageError(str(err)) from None
     if request.trace:
-        target = Path(request.trace).expanduser()
-        if target.is_dir():
-            raise UsageError(f"--trace {request.trace} is a directory; give a file path, e.g. {target / 'trace.json'}")
-        folder = target.parent if str(target.parent) else Path(".")
-        if not folder.is_dir() or not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
-            raise UsageError(f"--trace {request.trace}: cannot write there ({folder} is not a writable directory); "
-                             "choose a path in a directory you can write")
+        check_output_path("--trace", request.trace, "trace.json")
+
+
+def check_output_path(flag: str, path: str, example: str) -> None:
+    """An output file the session writes at its end, refused now if it cannot be written then:
+    a long job must not run to completion and lose its exit code to a path typo."""
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise UsageError(f"{flag} {path} is a directory; give a file path, e.g. {target / example}")
+    folder = target.parent if str(target.parent) else Path(".")
+    if not folder.is_dir() or not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise UsageError(f"{flag} {path}: cannot write there ({folder} is not a writable directory); "
+                         "choose a path in a directory you can write")
+
+
+def write_output(flag: str, path: str, write: Callable[[str], object]) -> bool:
+    """Writes an end-of-session file; a failure (disk full, the folder gone) is one line on stderr,
+    not a traceback, so the workload's exit code still stands. True when written."""
+    try:
+        write(str(Path(path).expanduser()))
+        return True
+    except OSError as err:
+        write_or_discard(sys.stderr, f"mirage: {flag} {path} not written: {err.strerror or err}\n".encode())
+        return False
 
 
 def free_port() -> int:
@@ -249,8 +269,9 @@ def _finish_timing(request: RunRequest, profile: profiles.Profile, directory: Pa
     report = timing_report.build(reports, profile)
     write_or_discard(sys.stderr, (timing_report.render(report) + "\n").encode())
     if request.trace:
-        events = timing_report.write_trace(reports, str(Path(request.trace).expanduser()))
-        narrate(f"trace of the predicted timeline: {request.trace} ({events} events; open it in ui.perfetto.dev)")
+        written: list[int] = []
+        if write_output("--trace", request.trace, lambda path: written.append(timing_report.write_trace(reports, path))):
+            narrate(f"trace of the predicted timeline: {request.trace} ({written[0]} events; open it in ui.perfetto.dev)")
     return report
 
 
@@ -369,7 +390,7 @@ def run_session(request: RunRequest) -> int:
             if not request.quiet:
                 write_or_discard(sys.stderr, (summary.render(report) + "\n").encode())
             if request.summary_json:
-                summary.write(report, request.summary_json)
+                write_output("--summary-json", request.summary_json, lambda path: summary.write(report, path))
         shutil.rmtree(session_dir, ignore_errors=True)
         # Communicator segments a rank left mapped-by-one-side only (it died, or its peer never
         # came): gone with the session, with or without a service (--in-process).

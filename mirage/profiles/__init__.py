@@ -96,6 +96,7 @@ TIMING_KEYS: dict[str, str] = {
     "host_link_gbs": "achievable host <-> device copy bandwidth, GB/s",
     "gemm_efficiency": "the fraction of peak_tflops large GEMMs reach",
     "gemm_efficiency_fp8": "the fraction of the FP8 peak large FP8 GEMMs reach",
+    "attention_efficiency": "the fraction of the dtype's peak fused (flash) attention kernels reach",
     "gemm_tile_m": "GEMM output tile rows (wave quantisation)",
     "gemm_tile_n": "GEMM output tile columns (wave quantisation)",
     "nccl_bus_efficiency": "the fraction of one direction of link_bandwidth_gbs NCCL's busbw reaches",

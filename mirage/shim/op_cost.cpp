@@ -60,6 +60,7 @@ CostModel load_model() {
   m.flops_per_ns_tf32 = need(p, "peak_tflops.tf32") * kTflops;
   m.gemm_efficiency = need(p, "gemm_efficiency");
   m.gemm_efficiency_fp8 = need(p, "gemm_efficiency_fp8");
+  m.attention_efficiency = need(p, "attention_efficiency");
   m.tile_m = static_cast<int64_t>(need(p, "gemm_tile_m"));
   m.tile_n = static_cast<int64_t>(need(p, "gemm_tile_n"));
   m.compute_units = static_cast<int64_t>(need(p, "compute_units"));
@@ -138,7 +139,7 @@ const CostModel& cost_model() {
   return m;
 }
 
-KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, int64_t tiles) {
+KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, int64_t tiles, ComputeKind kind) {
   const CostModel& m = cost_model();
   double compute = 0;
   if (flops > 0) {
@@ -149,7 +150,10 @@ KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, int64_
     }
     const bool fp8 = dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2 || dtype == at::kFloat8_e4m3fnuz ||
                      dtype == at::kFloat8_e5m2fnuz;
-    compute = flops / (peak_flops_per_ns(m, dtype) * (fp8 ? m.gemm_efficiency_fp8 : m.gemm_efficiency) * quantisation);
+    const double efficiency = kind == ComputeKind::kAttention ? m.attention_efficiency
+                              : fp8                            ? m.gemm_efficiency_fp8
+                                                               : m.gemm_efficiency;
+    compute = flops / (peak_flops_per_ns(m, dtype) * efficiency * quantisation);
   }
   const double memory = static_cast<double>(bytes) / m.memory_bytes_per_ns;
   const double ns = std::max(compute, memory) + m.kernel_fixed_ns;
@@ -230,7 +234,7 @@ void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs
   const c10::OperatorHandle handle = c10::Dispatcher::singleton().findSchemaOrThrow(op, "");
   const double counted = has_flop_formula(handle.schema()) ? flop_count(handle, args, results.data(), results.size()) : 0;
   const double flops = causal ? counted / 2 : counted;
-  const KernelCost cost = kernel_cost(flops, bytes, first.scalar_type(), 0);
+  const KernelCost cost = kernel_cost(flops, bytes, first.scalar_type(), 0, ComputeKind::kAttention);
   run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, handle.schema().name().c_str(), bytes, flops);
 }
 
@@ -286,6 +290,14 @@ TORCH_LIBRARY_FRAGMENT(mirage, m) {
           const double flops = 2.0 * rows * cols * inner;
           const int64_t bytes = (rows * inner + inner * cols + rows * cols) * static_cast<int64_t>(c10::elementSize(dtype));
           return mirage::kernel_cost(flops, bytes, dtype, mirage::output_tiles(1, rows, cols)).ns;
+        });
+  // Fused attention's forward over batch x heads x seq x head_dim (FlashAttention's benchmark
+  // counts 4 x b x h x s^2 x d FLOPs, half of them when causal).
+  m.def("clock_predict_attention_ns(int batch, int heads, int seq, int head_dim, bool causal, ScalarType dtype) -> int",
+        [](int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, bool causal, c10::ScalarType dtype) -> int64_t {
+          const double flops = 4.0 * batch * heads * seq * seq * head_dim / (causal ? 2 : 1);
+          const int64_t bytes = 4 * batch * heads * seq * head_dim * static_cast<int64_t>(c10::elementSize(dtype));
+          return mirage::kernel_cost(flops, bytes, dtype, 0, mirage::ComputeKind::kAttention).ns;
         });
   m.def("clock_predict_stream_ns(int bytes) -> int",
         [](int64_t bytes) -> int64_t { return mirage::kernel_cost(0, bytes, c10::kByte, 0).ns; });

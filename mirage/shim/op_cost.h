@@ -2,7 +2,7 @@
 // profiled GPU. Every number comes from the profile's [timing] table (or the user's tuning
 // file), handed over by the runtime in MIRAGE_TIMING_MODEL; mirage/profiles says where each
 // comes from. The formulas:
-//   kernel      max(FLOPs / (peak(dtype) x GEMM efficiency x wave quantisation),
+//   kernel      max(FLOPs / (peak(dtype) x GEMM or attention efficiency x wave quantisation),
 //                   bytes / (HBM bandwidth x memory efficiency)) + fixed kernel cost
 //               FLOPs from torch.utils.flop_counter's formulas (matmul family, convolution,
 //               attention and their backwards); bytes: the tensors the kernel reads and writes
@@ -33,6 +33,7 @@ struct CostModel {
   double flops_per_ns_bf16, flops_per_ns_fp16, flops_per_ns_fp8, flops_per_ns_fp32, flops_per_ns_tf32;
   double gemm_efficiency;         // the fraction of peak large GEMMs reach
   double gemm_efficiency_fp8;     // the same for FP8 GEMMs (a smaller fraction of a larger peak)
+  double attention_efficiency;    // the fraction of peak fused attention reaches (softmax between its GEMMs)
   int64_t tile_m, tile_n, compute_units;
   double bus_bytes_per_ns;        // achievable busbw within a node
   double nvls_bytes_per_ns;       // all_reduce's busbw with NVLink SHARP (0: the profile has none)
@@ -49,8 +50,12 @@ struct KernelCost {
   int64_t ns;
   WorkKind kind;
 };
+// What a kernel's FLOPs run at: a GEMM's efficiency, or fused attention's (lower: its softmax
+// and rescaling sit between the two GEMMs on the critical path).
+enum class ComputeKind { kGemm, kAttention };
 // `tiles`: output tiles of a GEMM (0: not a GEMM), for wave quantisation.
-KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, int64_t tiles);
+KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, int64_t tiles,
+                       ComputeKind compute = ComputeKind::kGemm);
 int64_t copy_cost_ns(int64_t bytes, bool crosses_host);
 
 // torch.utils.flop_counter's count for one call of `op` (its registry, through the Python

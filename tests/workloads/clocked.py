@@ -13,7 +13,7 @@ MODE = sys.argv[1]
 
 def gemm() -> None:
     """A bf16 GEMM timed with CUDA events, as a benchmark script times it."""
-    n = int(os.environ.get("N", "4096"))
+    n = int(os.environ.get("N", "1024"))  # small: bf16 GEMMs are slow on CPUs without AVX512-BF16
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -34,6 +34,17 @@ def gemm() -> None:
     print(json.dumps({"gemm_ms": start.elapsed_time(end) / 5, "host_s": host, "mul_ms": start2.elapsed_time(end2)}))
 
 
+def attention() -> None:
+    """A causal bf16 scaled_dot_product_attention forward (flash backend), timed with events."""
+    q, k, v = (torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    end.record()
+    end.synchronize()
+    print(json.dumps({"attention_ms": start.elapsed_time(end)}))
+
+
 def two_ranks():
     """The NCCL group of two ranks, a GEMM operand and a buffer, both ranks' clocks joined by a
     first all_reduce."""
@@ -42,7 +53,7 @@ def two_ranks():
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     torch.cuda.set_device(rank)
-    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
     t = torch.ones(2**20, device="cuda")
     dist.all_reduce(t)
     torch.cuda.synchronize()
@@ -122,4 +133,4 @@ def graph() -> None:
     print(json.dumps(times))
 
 
-{"gemm": gemm, "straggler": straggler, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
+{"gemm": gemm, "attention": attention, "straggler": straggler, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
