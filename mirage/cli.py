@@ -86,6 +86,11 @@ def _build_parser() -> _Parser:
                      help="end the session when ranks wait this long in a collective (default 300)")
     run.add_argument("--quiet", action="store_true", help="no summary table at the end")
     run.add_argument("--summary-json", metavar="PATH", help="write the end-of-session summary as JSON")
+    run.add_argument("--fault", action="append", default=[], metavar="SPEC",
+                     help="inject a fault, e.g. kill:rank=3:at=collective:120, oom:rank=1:at=alloc:40, "
+                          "stall:rank=0:at=collective:5:for=60s (repeatable; mirage/launcher/faults.py)")
+    run.add_argument("--faults", metavar="FILE", help="faults from a TOML file of [[fault]] tables")
+    run.add_argument("--seed", type=int, metavar="N", help="the seed of faults whose count is 'random'")
     run.add_argument("--timing", action="store_true",
                      help="clocked mode: predict how long the job takes on the profiled hardware")
     run.add_argument("--trace", metavar="PATH", help="with --timing: write the predicted timeline (Perfetto)")
@@ -210,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             hang_timeout=args.hang_timeout, quiet=args.quiet, summary_json=args.summary_json,
             env=args.env, workdir=args.workdir, clear_env=args.clear_env_vars, timing=args.timing,
             trace=args.trace, virtual_clock=args.virtual_clock, timing_tuning=args.timing_tuning,
-            predict_only=args.predict_only,
+            predict_only=args.predict_only, faults=args.fault, faults_file=args.faults, seed=args.seed,
         )
         try:
             return launcher.run_session(request)

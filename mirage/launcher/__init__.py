@@ -28,7 +28,7 @@ from mirage.launcher import environment
 from mirage.daemon import shared_table
 from mirage.daemon.flight_recorder import FlightRecorder
 from mirage.daemon.service import SessionService
-from mirage.launcher import summary, timing_report
+from mirage.launcher import faults as fault_specs, summary, timing_report
 from mirage.launcher.supervisor import Supervisor, stdin_has_input, write_or_discard
 from mirage.runtime import visible_devices
 from mirage.shim import build as shim_build
@@ -72,6 +72,9 @@ class RunRequest:
     virtual_clock: bool = False          # the workload's time.* follow the predicted clock
     timing_tuning: str | None = None     # a TOML file overriding the model's numbers
     predict_only: bool = False           # place kernels on the timeline without running them
+    faults: list[str] = field(default_factory=list)  # --fault specs (mirage/launcher/faults.py)
+    faults_file: str | None = None       # --faults FILE
+    seed: int | None = None              # draws the counts of faults at 'random'
 
 
 def runtime_root() -> Path:
@@ -137,6 +140,10 @@ def validate(request: RunRequest) -> tuple[profiles.Profile, int]:
         raise UsageError(str(err)) from None
     if request.summary_json:
         check_output_path("--summary-json", request.summary_json, "summary.json")
+    try:
+        fault_specs.load(request.faults, request.faults_file, request.seed, request.num_nodes * gpus)
+    except fault_specs.FaultError as err:
+        raise UsageError(str(err)) from None
     _validate_timing(request, profile)
     check_torch_is_cpu_build()
     return profile, gpus
@@ -286,6 +293,11 @@ def run_session(request: RunRequest) -> int:
     record_run(session_dir)
     service: SessionService | None = None
     exit_code = 1
+    started = time.time()
+    seed = request.seed if request.seed is not None else secrets.randbelow(2**31)
+    faults = fault_specs.load(request.faults, request.faults_file, seed, request.num_nodes * gpus)
+    if request.seed is None and fault_specs.draws_at_random(request.faults, request.faults_file):
+        narrate(f"faults at random counts drawn with seed {seed} (--seed {seed} draws the same)")
     try:
         shim = ensure_shim()
         scratch = session_dir / "tmp"
@@ -315,6 +327,11 @@ def run_session(request: RunRequest) -> int:
                 emulator["MIRAGE_PREDICT_ONLY"] = "1"
             if request.timing_tuning:
                 emulator["MIRAGE_TIMING_TUNING"] = str(Path(request.timing_tuning).expanduser().resolve())
+        if faults:
+            (session_dir / "faults").mkdir(mode=0o700)
+            emulator["MIRAGE_FAULTS"] = fault_specs.environment(faults)
+            for fault in faults:
+                narrate(f"fault {fault.id} armed: {fault.describe()}")
         user = environment.parse_assignments(request.env)
         port = free_port()
         per_node = request.nproc_per_node or 1
@@ -385,6 +402,8 @@ def run_session(request: RunRequest) -> int:
         if service is not None:
             service.stop()
             report = summary.build(service, supervisor.exit_codes, exit_code)
+            if faults:
+                report["faults"] = fault_specs.fired(session_dir / "faults", faults, started)
             if timing is not None:
                 report["timing"] = timing
             if not request.quiet:

@@ -1,6 +1,6 @@
 """The end-of-session summary: per GPU peak memory, per process exit status, collectives.
 
-One table on stderr (`--quiet` turns it off); `--summary-json PATH` writes the same for scripts.
+One table on stderr (with the faults injected, when --fault asked for some) (`--quiet` turns it off); `--summary-json PATH` writes the same for scripts.
 Collective counts and bytes come from the flight recorder, so they cover collectives called
 from Python (DDP's internal bucket all-reduces run in C++ and are not counted).
 """
@@ -44,6 +44,11 @@ def render(report: dict) -> str:
         c = by_rank.get(int(p["rank"])) if p["rank"].isdigit() else None
         lines.append(f"  [{p['rank']}]{'':<{6 - len(p['rank'])}} {p['exit_code']:<5} "
                      f"{(c or {}).get('count', 0):<12} {_size((c or {}).get('bytes', 0))}")
+    for f in report.get("faults", []):
+        when = f"fired at {f['at_s']:.1f} s (pid {f['pid']})" if f.get("at_s") is not None else \
+            ("fired" if f["fired"] else "never fired (the workload ended first)")
+        stall = f" for {f['stall_s']:g} s" if f["kind"] == "stall" else ""
+        lines.append(f"  fault {f['id']}: {f['kind']} rank {f['rank']} at its {f['trigger']} {f['count']}{stall}: {when}")
     return "\n".join(lines)
 
 

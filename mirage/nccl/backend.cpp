@@ -28,6 +28,7 @@
 #include <pybind11/chrono.h>
 
 #include <dlfcn.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -464,9 +465,13 @@ class ProcessGroupNCCL final : public c10d::Backend {
     async_error_handling_ = env_int("TORCH_NCCL_ASYNC_ERROR_HANDLING", 3);
     // NCCL leaves a node's shared memory and P2P paths for the network only when both are
     // turned off; so does the emulation.
+    // The connection's keys, per torchrun attempt: torchrun restarts workers against the same
+    // store, where the failed attempt's keys (a communicator segment long unlinked) still sit.
+    const auto connect_store = c10::make_intrusive<c10d::PrefixStore>(
+        "mirage/attempt-" + std::to_string(env_int("TORCHELASTIC_RESTART_COUNT", 0)), store_);
     comm_ = env_flag("NCCL_SHM_DISABLE", false) && env_flag("NCCL_P2P_DISABLE", false)
-                ? connect_sockets(store_, rank, size, options_->timeout)
-                : connect_shared_memory(store_, rank, size, !env_flag("NCCL_P2P_DISABLE", false), options_->timeout);
+                ? connect_sockets(connect_store, rank, size, options_->timeout)
+                : connect_shared_memory(connect_store, rank, size, !env_flag("NCCL_P2P_DISABLE", false), options_->timeout);
     TORCH_CHECK_WITH(DistBackendError, comm_, library(), " error: the emulated ", library(),
                      " runs inside a mirage session only (mirage run -- ...): no MIRAGE_SESSION, or /dev/shm "
                      "has no room for the communicator (`df -h /dev/shm`; NCCL_SHM_DISABLE=1 NCCL_P2P_DISABLE=1 "
@@ -1074,6 +1079,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
     r.state = "started";
     keep_trace(r);
     record(r, true);
+    inject_fault(r);
     std::exception_ptr error;
     const auto finished = [&] {
       r.completed_ns = wall_ns();
@@ -1104,6 +1110,19 @@ class ProcessGroupNCCL final : public c10d::Backend {
     std::lock_guard<std::mutex> g(mu_);
     if (coalescing_) coalesced_.push_back(work);
     return work;
+  }
+
+  // Faults on purpose (mirage/shim/faults.h): the shim counts this process's collectives and kills
+  // it at a kill fault's; a stall holds the collective here, on the communicator's stream, so the
+  // peers wait inside theirs until their timeout, as behind a rank stuck in NCCL.
+  void inject_fault(const Record& r) {
+    static const auto at_collective =
+        reinterpret_cast<int64_t (*)()>(dlsym(RTLD_DEFAULT, "mirage_fault_at_collective"));
+    const int64_t stall_ms = at_collective ? at_collective() : 0;
+    if (stall_ms > 0) {
+      LOG(WARNING) << log_prefix() << "mirage fault: stalling " << describe_work(r) << " for " << stall_ms << " ms";
+      std::this_thread::sleep_for(std::chrono::milliseconds(stall_ms));
+    }
   }
 
   // Clocked mode: the communicator's own stream (ProcessGroupNCCL takes one per device).

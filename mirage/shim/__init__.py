@@ -22,5 +22,7 @@ torch_openreg's runtime is split:
     generators.*         each device's random generator
     cuda_ipc.cpp         device tensors shared between processes
     shared_device_memory.*  device memory peers can map (the arena)
+    faults.*             faults on purpose: an op, allocation or collective that kills, stalls
+                         or runs out of memory (mirage run --fault)
     cuda_only_kernels.cpp, fused_attention.cpp  CUDA-only operators written over ATen
 """

@@ -2,6 +2,7 @@
 // out-of-memory error, device blocks and private-pool blocks, the CUDA allocator, and the
 // operators torch.cuda's memory functions reach (memory fraction, allocator config, segments).
 #include "device_memory.h"
+#include "faults.h"
 
 #include "memory_history.h"
 #include "session_table.h"
@@ -139,6 +140,7 @@ static PoolId current_pool(DeviceIndex dev) {
 
 // A block of the device's caching allocator for `nbytes`; raises the allocator's OOM error.
 CachedBlock* allocate_block(DeviceIndex dev, size_t nbytes) {
+  if (C10_UNLIKELY(g_fault_allocs.load(std::memory_order_relaxed))) fault_at_alloc(dev, nbytes, raise_oom);
   auto reserve = [dev](size_t bytes, int64_t reserved_now) { return reserve_segment(dev, bytes, reserved_now); };
   auto release = [dev](size_t bytes) { release_segment_bytes(dev, bytes); };
   CachedBlock* block = nullptr;

@@ -4,6 +4,7 @@
 #include "busy_time.h"
 #include "config.h"
 #include "device_guard.h"
+#include "faults.h"
 #include "generators.h"
 #include "graph_capture.h"
 #include "device_clock.h"
@@ -277,6 +278,7 @@ struct OpCall {
 };
 
 void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  if (C10_UNLIKELY(g_fault_ops.load(std::memory_order_relaxed))) fault_at_op();  // --fault ...:at=op:N
   if (capturing()) return capture_op(op, stack);  // recorded for replay, not run
   const OpTraits& traits = traits_of(op.schema());
   if (C10_UNLIKELY(predict_only()) && predict_without_running(op, traits, stack)) return;  // shapes and time only

@@ -1,0 +1,135 @@
+#include "faults.h"
+
+#include <c10/util/Exception.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace mirage {
+
+std::atomic<bool> g_fault_ops{false}, g_fault_allocs{false};
+
+namespace {
+
+// One fault as the launcher encodes it: "id,kind,trigger,count,stall_ms" (kind: kill, stall,
+// oom; trigger: op, alloc, collective), already filtered to ranks that exist and checked.
+struct Fault {
+  int id = 0;
+  std::string kind, trigger;
+  int64_t count = 0, stall_ms = 0;
+};
+
+struct Faults {
+  std::vector<Fault> mine;  // this rank's
+  std::string folder;       // where fired faults leave their marker
+  std::string rank;
+  std::atomic<int64_t> ops{0}, allocs{0}, collectives{0};
+};
+
+// MIRAGE_FAULTS: "rank:id,kind,trigger,count,stall_ms;..." (the launcher's encoding).
+Faults& faults() {
+  static Faults* f = [] {
+    auto* out = new Faults();
+    const char* spec = std::getenv("MIRAGE_FAULTS");
+    const char* rank = std::getenv("RANK");
+    const char* runtime = std::getenv("MIRAGE_RUNTIME");
+    if (!spec || !runtime) return out;
+    out->rank = rank ? rank : "0";
+    out->folder = std::string(runtime) + "/faults";
+    std::stringstream entries(spec);
+    std::string entry;
+    while (std::getline(entries, entry, ';')) {
+      const auto colon = entry.find(':');
+      if (colon == std::string::npos || entry.substr(0, colon) != out->rank) continue;
+      std::stringstream fields(entry.substr(colon + 1));
+      std::string id, count, stall;
+      Fault fault;
+      std::getline(fields, id, ',');
+      std::getline(fields, fault.kind, ',');
+      std::getline(fields, fault.trigger, ',');
+      std::getline(fields, count, ',');
+      std::getline(fields, stall, ',');
+      fault.id = std::stoi(id);
+      fault.count = std::stoll(count);
+      fault.stall_ms = std::stoll(stall);
+      if (fault.trigger == "op") g_fault_ops = true;
+      if (fault.trigger == "alloc") g_fault_allocs = true;
+      out->mine.push_back(fault);
+    }
+    return out;
+  }();
+  return *f;
+}
+
+// Claims the fault for this session (false: it already fired, e.g. before torchrun restarted
+// this worker), then logs it: stderr and the marker the summary reads.
+bool claim(const Fault& fault, const char* what) {
+  Faults& f = faults();
+  const std::string marker = f.folder + "/" + std::to_string(fault.id);
+  const int fd = ::open(marker.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600);
+  if (fd < 0) return false;
+  const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  char line[512];
+  const int n = std::snprintf(line, sizeof line,
+                              "{\"id\": %d, \"kind\": \"%s\", \"rank\": %s, \"trigger\": \"%s\", \"count\": %lld, "
+                              "\"pid\": %d, \"time\": %.6f}\n",
+                              fault.id, fault.kind.c_str(), f.rank.c_str(), fault.trigger.c_str(),
+                              static_cast<long long>(fault.count), static_cast<int>(::getpid()), now);
+  if (n > 0) (void)!::write(fd, line, static_cast<size_t>(n));
+  ::close(fd);
+  std::fprintf(stderr, "mirage: fault %d injected: %s on rank %s at its %s %lld\n", fault.id, what, f.rank.c_str(),
+               fault.trigger.c_str(), static_cast<long long>(fault.count));
+  std::fflush(stderr);
+  return true;
+}
+
+[[noreturn]] void kill_self() {
+  ::kill(::getpid(), SIGKILL);
+  std::abort();  // not reached: SIGKILL cannot be caught
+}
+
+// The fault of `trigger` whose count this event reaches, or null.
+const Fault* due(const char* trigger, int64_t count) {
+  for (const Fault& fault : faults().mine)
+    if (fault.trigger == trigger && fault.count == count) return &fault;
+  return nullptr;
+}
+
+}  // namespace
+
+void faults_loaded() { (void)faults(); }
+
+void fault_at_op() {
+  const Fault* fault = due("op", ++faults().ops);
+  if (fault && claim(*fault, "SIGKILL")) kill_self();
+}
+
+void fault_at_alloc(c10::DeviceIndex dev, size_t nbytes, void (*raise_oom)(c10::DeviceIndex, int64_t)) {
+  const Fault* fault = due("alloc", ++faults().allocs);
+  if (!fault) return;
+  if (fault->kind == "kill" && claim(*fault, "SIGKILL")) kill_self();
+  if (fault->kind == "oom" && claim(*fault, "out of memory")) raise_oom(dev, static_cast<int64_t>(nbytes));
+}
+
+}  // namespace mirage
+
+extern "C" int64_t mirage_fault_at_collective() {
+  using namespace mirage;
+  if (faults().mine.empty()) return 0;
+  const Fault* fault = due("collective", ++faults().collectives);
+  if (!fault) return 0;
+  if (fault->kind == "kill" && claim(*fault, "SIGKILL")) kill_self();
+  if (fault->kind == "stall" && claim(*fault, "stall")) return fault->stall_ms;
+  return 0;
+}
+
+// Read MIRAGE_FAULTS when the shim loads, so the hot paths' flags are set before the first op.
+static const bool g_faults_read = (mirage::faults_loaded(), true);

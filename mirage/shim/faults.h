@@ -1,0 +1,32 @@
+// Faults on purpose (mirage run --fault / --faults): the shim's half. The launcher checks every
+// spec and hands each process the list in MIRAGE_FAULTS; a fault whose rank is this process's
+// RANK fires at its trigger, once per session (a marker file in the session's runtime folder
+// claims it, so a worker torchrun restarts does not fire it again). Triggers counted here: the
+// process's Nth device op (op path), Nth device allocation (the allocator), Nth collective (the
+// emulated NCCL asks through mirage_fault_at_collective). Every fault that fires is logged on
+// stderr with rank, trigger and time, and its marker is what the session summary lists.
+#pragma once
+#include <c10/core/Device.h>
+#include <atomic>
+#include <cstddef>
+
+namespace mirage {
+
+// Whether this process has an op- or allocation-triggered fault (read on the hot paths).
+extern std::atomic<bool> g_fault_ops, g_fault_allocs;
+
+// Reads MIRAGE_FAULTS (once, as the shim loads).
+void faults_loaded();
+// The op path's count: kills the process at the fault's op.
+void fault_at_op();
+// The allocator's count: raises the caching allocator's out-of-memory error at the fault's
+// allocation (as a real OOM on that one rank), through `raise_oom(dev, bytes)`.
+void fault_at_alloc(c10::DeviceIndex dev, size_t nbytes, void (*raise_oom)(c10::DeviceIndex, int64_t));
+
+}  // namespace mirage
+
+extern "C" {
+// The emulated NCCL's count, called as each collective starts: kills the process at a kill
+// fault's collective; returns the milliseconds a stall fault holds this collective (0: none).
+int64_t mirage_fault_at_collective();
+}

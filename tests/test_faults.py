@@ -1,0 +1,100 @@
+"""Faults on purpose (mirage run --fault / --faults): each kind fires where the issue says, once
+per session, is logged and listed in the summary; recovery with torchrun's restarts; bad specs
+refused before the workload starts; nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import mirage
+
+WORKLOAD = "tests/workloads/faults.py"
+
+
+def leftovers(session: str) -> list[str]:
+    return [p.name for p in Path("/dev/shm").glob(f"mirage-{os.getuid()}-{session}*")]
+
+
+@pytest.mark.parametrize("spec, why", [
+    ("kil:rank=0:at=collective:3", "did you mean 'kill'?"),
+    ("kill:rank=4:at=collective:3", "rank 4 is out of range: this session has 2 GPU(s)"),
+    ("oom:rank=0:at=collective:3", "a fault of kind oom fires at=alloc"),
+    ("kill:rank=0:at=op:0", "it can never fire"),
+    ("stall:rank=0:at=collective:2", "say how long the stall lasts"),
+    ("kill:rank=0:at=collective:2:for=5s", "for= applies to stall faults only"),
+    ("kill:at=collective:2", "say which rank"),
+])
+def test_a_fault_that_cannot_work_is_refused_before_the_workload_starts(spec, why):
+    result = mirage("run", "--gpus-per-node", "2", "--fault", spec, "--", "python", "-c", "print('ran')")
+    assert result.returncode == 2 and why in result.stderr and "ran" not in result.stdout
+
+
+def test_a_faults_file_is_read_and_checked(tmp_path):
+    file = tmp_path / "faults.toml"
+    file.write_text('[[fault]]\nkind = "oom"\nrank = 0\nat = "alloc"\ncount = 3\n')
+    result = mirage("run", "--quiet", "--gpus-per-node", "1", "--faults", str(file), "--", "python", WORKLOAD, "oom")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1])["allocated"] == 2
+    file.write_text('[[fault]]\nkind = "oom"\nrank = 0\nat = "alloc"\ncount = 3\nrnak = 1\n')
+    result = mirage("run", "--faults", str(file), "--", "python", "-c", "print('ran')")
+    assert result.returncode == 2 and "unknown key 'rnak'" in result.stderr
+
+
+def test_an_injected_oom_is_the_caching_allocators_error_on_that_allocation():
+    result = mirage("run", "--quiet", "--gpus-per-node", "1", "--fault", "oom:rank=0:at=alloc:5", "--",
+                    "python", WORKLOAD, "oom")
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout.splitlines()[-1])
+    assert seen["allocated"] == 4  # the fifth allocation failed
+    assert seen["error"].startswith("HIP out of memory. Tried to allocate 4.00 MiB. GPU 0 has a total capacity of")
+    assert "fault 1 injected: out of memory on rank 0 at its alloc 5" in result.stderr
+
+
+def test_a_killed_rank_is_restarted_by_torchrun_and_the_fault_fires_once(tmp_path):
+    summary = tmp_path / "summary.json"
+    result = mirage("run", "--quiet", "--gpus-per-node", "2", "--summary-json", str(summary),
+                    "--fault", "kill:rank=1:at=collective:5", "--",
+                    "torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=1", WORKLOAD, "collect",
+                    timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    finished = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    # both ranks of the second attempt finished, with every all_reduce's value
+    assert sorted((r["rank"], r["restart"], r["sum"]) for r in finished) == [(0, 1, 1024.0), (1, 1, 1024.0)]
+    assert result.stderr.count("fault 1 injected: SIGKILL on rank 1 at its collective 5") == 1
+    report = json.loads(summary.read_text())
+    [fault] = report["faults"]
+    assert fault["fired"] and fault["kind"] == "kill" and fault["rank"] == 1 and fault["at_s"] > 0
+    assert leftovers(report["session"]) == []
+
+
+def test_a_stalled_rank_makes_its_peers_watchdog_take_the_job_down():
+    result = mirage("run", "--quiet", "--gpus-per-node", "2", "--nproc-per-node", "2",
+                    "--fault", "stall:rank=1:at=collective:2:for=15s", "--", "python", WORKLOAD, "stall",
+                    timeout=120)
+    assert result.returncode == 134  # ProcessGroupNCCL's watchdog aborts the process (SIGABRT)
+    assert "fault 1 injected: stall on rank 1 at its collective 2" in result.stderr
+    assert "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=2, OpType=ALLREDUCE" in result.stderr
+    assert "group rank(s) 1 never reached it" in result.stderr
+
+
+def test_a_rank_killed_at_its_nth_op_ends_as_a_sigkill_does():
+    script = "import torch\nx = torch.ones(4, device='cuda')\nfor i in range(10):\n    x = x + 1\n    print(i, flush=True)\n"
+    result = mirage("run", "--quiet", "--gpus-per-node", "1", "--fault", "kill:rank=0:at=op:5", "--", "python", "-c", script)
+    assert result.returncode == 137, result.stderr
+    assert "fault 1 injected: SIGKILL on rank 0 at its op 5" in result.stderr
+    assert result.stdout.split() == ["0", "1", "2"]  # ops 1-4: ones (fill) and three additions
+
+
+def test_a_random_count_is_drawn_from_the_seed():
+    def allocated(seed: str) -> int:
+        result = mirage("run", "--quiet", "--gpus-per-node", "1", "--seed", seed, "--fault", "oom:rank=0:at=alloc:random",
+                        "--", "python", WORKLOAD, "oom")
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout.splitlines()[-1])["allocated"]
+
+    assert allocated("7") == allocated("7")
+    assert len({allocated(str(seed)) for seed in range(4)}) > 1
