@@ -199,6 +199,8 @@ def _split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _build_parser()
+    if argv and argv[0] not in ("cleanup", "-h", "--help"):
+        sessions.reap_dead_sessions()
     if argv and argv[0] == "run":
         flags, command = _split_command(argv[1:])
         if command is None:

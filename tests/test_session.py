@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, mirage
-from mirage import profiles
+from mirage import launcher, profiles
 
 SHM = Path("/dev/shm")
 
@@ -198,6 +198,19 @@ def test_ranks_fail_fast_when_the_daemon_dies():
     assert f"would remove {segment}" in dry.stdout
     mirage("cleanup")
     assert leftovers(session) == []
+
+
+def test_any_mirage_command_reaps_what_a_sigkilled_run_left():
+    script = "import time, torch\nprint('attached', flush=True)\ntime.sleep(60)\n"
+    proc = start("--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", "-c", script)
+    session = session_of(proc)
+    assert proc.stdout.readline().endswith("attached\n") and proc.stdout.readline().endswith("attached\n")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert any(isinstance(p, Path) for p in leftovers(session))  # the table outlived its run
+    assert mirage("ps").returncode == 0  # no `mirage cleanup`: any command reaps a dead session
+    assert leftovers(session) == []
+    assert not (launcher.runtime_root() / session).exists()
 
 
 def test_cleanup_leaves_a_live_in_process_run_alone():

@@ -151,20 +151,28 @@ def stale_sessions() -> list[Path]:
     return stale
 
 
-def cleanup(dry_run: bool) -> int:
-    """Reclaims what SIGKILLed runs left; never touches a session whose run answers."""
-    actions = []
+def _reclaimable() -> list[tuple[str, object]]:
+    """What runs that died (SIGKILL, the OOM killer) left: their processes, session folders and
+    /dev/shm segments. A session counts as alive while its `mirage run` process is (the run's
+    pid and start time), so an --in-process session, which has no service, is never touched."""
+    actions: list[tuple[str, object]] = []
     stale_ids = {d.name for d in stale_sessions()}
     for session_id in sorted(stale_ids):
         for pid in session_processes(session_id):
             actions.append((f"kill process {pid} (session {session_id})", lambda pid=pid: os.kill(pid, signal.SIGKILL)))
         directory = runtime_root() / session_id
         actions.append((f"remove {directory}", lambda d=directory: shutil.rmtree(d, ignore_errors=True)))
-    live_ids = {s["session"] for s in live_sessions()}
     for table in sorted(shared_table.SHM_DIR.glob(f"{shared_table.PREFIX}{os.getuid()}-*")):
         session_id = table.name.split("-", 2)[2].split(".", 1)[0]  # the table, or <table>.collectives-<id>
-        if session_id not in live_ids:
+        directory = runtime_root() / session_id
+        if session_id in stale_ids or not directory.is_dir() or not _run_alive(directory):
             actions.append((f"remove {table}", lambda t=table: t.unlink(missing_ok=True)))
+    return actions
+
+
+def cleanup(dry_run: bool) -> int:
+    """`mirage cleanup`: reclaims what SIGKILLed runs left, saying what; never touches a live session."""
+    actions = _reclaimable()
     if not actions:
         print("mirage cleanup: nothing to reclaim")
         return 0
@@ -176,6 +184,16 @@ def cleanup(dry_run: bool) -> int:
             except OSError as err:
                 print(f"  failed: {err}", file=sys.stderr)
     return 0
+
+
+def reap_dead_sessions() -> None:
+    """Every mirage command starts with this: what a dead session left goes without anyone
+    having to run `mirage cleanup`."""
+    for _, act in _reclaimable():
+        try:
+            act()
+        except OSError:
+            pass
 
 
 def paths(as_json: bool) -> int:
