@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,9 @@ def leftovers(session: str) -> list[str]:
     ("stall:rank=0:at=collective:2", "say how long the stall lasts"),
     ("kill:rank=0:at=collective:2:for=5s", "for= applies to stall faults only"),
     ("kill:at=collective:2", "say which rank"),
+    ("kill-node:node=2:at=after:3s", "node 2 is out of range: this session has 1 node(s)"),
+    ("kill-node:node=0:at=collective:3", "a fault of kind kill-node fires at=after"),
+    ("kill:rank=0:at=after", "at=after needs a time"),
 ])
 def test_a_fault_that_cannot_work_is_refused_before_the_workload_starts(spec, why):
     result = mirage("run", "--gpus-per-node", "2", "--fault", spec, "--", "python", "-c", "print('ran')")
@@ -61,7 +65,8 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_the_fault_fires_once(tmp_pat
                     "torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=1", WORKLOAD, "collect",
                     timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    finished = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    # the two ranks share torchrun's stdout: their lines may run together
+    finished = [json.loads(text) for text in re.findall(r"\{[^{}]*\}", result.stdout)]
     # both ranks of the second attempt finished, with every all_reduce's value
     assert sorted((r["rank"], r["restart"], r["sum"]) for r in finished) == [(0, 1, 1024.0), (1, 1, 1024.0)]
     assert result.stderr.count("fault 1 injected: SIGKILL on rank 1 at its collective 5") == 1
@@ -98,3 +103,24 @@ def test_a_random_count_is_drawn_from_the_seed():
 
     assert allocated("7") == allocated("7")
     assert len({allocated(str(seed)) for seed in range(4)}) > 1
+
+
+def test_a_node_killed_after_a_time_loses_every_process_at_once(tmp_path):
+    summary = tmp_path / "summary.json"
+    node_command = "sleep 60 & sleep 60; wait"
+    result = mirage("run", "--quiet", "--num-nodes", "2", "--gpus-per-node", "1", "--summary-json", str(summary),
+                    "--fault", "kill-node:node=1:at=after:3s", "--", "sh", "-c", node_command, timeout=120)
+    assert result.returncode == 137, result.stderr
+    # the node's shell and both its children
+    assert "fault 1 injected: SIGKILL on node 1 (3 processes) 3 s into the session" in result.stderr
+    report = json.loads(summary.read_text())
+    assert report["faults"][0]["fired"] and report["faults"][0]["at_s"] >= 3
+    assert leftovers(report["session"]) == []
+
+
+def test_a_rank_killed_after_a_time_ends_as_a_sigkill_does():
+    result = mirage("run", "--quiet", "--gpus-per-node", "2", "--nproc-per-node", "2",
+                    "--fault", "kill:rank=1:at=after:2s", "--", "python", "-c", "import time, torch; time.sleep(60)",
+                    timeout=120)
+    assert result.returncode == 137
+    assert "fault 1 injected: SIGKILL on rank 1 2 s into the session" in result.stderr

@@ -141,7 +141,8 @@ def validate(request: RunRequest) -> tuple[profiles.Profile, int]:
     if request.summary_json:
         check_output_path("--summary-json", request.summary_json, "summary.json")
     try:
-        fault_specs.load(request.faults, request.faults_file, request.seed, request.num_nodes * gpus)
+        fault_specs.load(request.faults, request.faults_file, request.seed, request.num_nodes * gpus,
+                         request.num_nodes)
     except fault_specs.FaultError as err:
         raise UsageError(str(err)) from None
     _validate_timing(request, profile)
@@ -294,8 +295,9 @@ def run_session(request: RunRequest) -> int:
     service: SessionService | None = None
     exit_code = 1
     started = time.time()
+    timer: fault_specs.FaultTimer | None = None
     seed = request.seed if request.seed is not None else secrets.randbelow(2**31)
-    faults = fault_specs.load(request.faults, request.faults_file, seed, request.num_nodes * gpus)
+    faults = fault_specs.load(request.faults, request.faults_file, seed, request.num_nodes * gpus, request.num_nodes)
     if request.seed is None and fault_specs.draws_at_random(request.faults, request.faults_file):
         narrate(f"faults at random counts drawn with seed {seed} (--seed {seed} draws the same)")
     try:
@@ -392,11 +394,16 @@ def run_session(request: RunRequest) -> int:
                 narrate(f"command is not executable: {request.command[0]}")
                 exit_code = 126
                 return exit_code
+        if any(f.trigger == "after" for f in faults):
+            timer = fault_specs.FaultTimer(faults, session_id, session_dir / "faults", started, narrate)
+            timer.start()
         exit_code = supervisor.wait()
         if service is not None:
             service.wait_for_leases(narrate)
         return exit_code
     finally:
+        if timer is not None:
+            timer.stopped.set()
         supervisor.teardown()
         timing = _finish_timing(request, profile, session_dir / "timing")
         if service is not None:

@@ -7,7 +7,11 @@
     --fault stall:rank=5:at=collective:40:for=900s
                                                rank 5 holds its 40th collective for 900 s, so
                                                the peers' timeouts fire as on a cluster
-    --fault kill:rank=0:at=random --seed 7     the count drawn from --seed (1-100)
+    --fault kill:rank=2:at=after:30s           SIGKILL rank 2 (and its children) 30 s into the session
+    --fault kill-node:node=1:at=after:30s      SIGKILL every process of emulated node 1 at once
+                                               (its torchrun agent too), as a node that reboots
+    --fault kill:rank=0:at=collective:random --seed 7
+                                               the count drawn from --seed (1-100)
 
 A FILE holds `[[fault]]` tables with the same keys (kind, rank, at, count, for). Every spec is
 checked before the workload starts (exit 2, naming the fix); each fault fires once per session
@@ -20,14 +24,21 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import random
+import signal
+import threading
+import time
 import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from mirage.launcher.supervisor import session_processes
+
 # What each kind of fault can be triggered by.
 KINDS: dict[str, tuple[str, ...]] = {
-    "kill": ("collective", "op", "alloc"),
+    "kill": ("collective", "op", "alloc", "after"),
+    "kill-node": ("after",),
     "stall": ("collective",),
     "oom": ("alloc",),
 }
@@ -42,14 +53,19 @@ class FaultError(ValueError):
 class Fault:
     id: int
     kind: str
-    rank: int
+    rank: int                # -1 for kill-node
     trigger: str
-    count: int
+    count: int               # the Nth collective / op / allocation (0 for at=after)
     stall_s: float = 0.0
+    after_s: float = 0.0     # at=after: seconds into the session
+    node: int = -1           # kill-node's node
 
     def describe(self) -> str:
+        who = f"node {self.node}" if self.kind == "kill-node" else f"rank {self.rank}"
+        if self.trigger == "after":
+            return f"{self.kind} {who} {self.after_s:g} s into the session"
         stall = f" for {self.stall_s:g} s" if self.kind == "stall" else ""
-        return f"{self.kind} rank {self.rank} at its {self.trigger} {self.count}{stall}"
+        return f"{self.kind} {who} at its {self.trigger} {self.count}{stall}"
 
 
 def _nearest(word: str, choices) -> str:
@@ -67,26 +83,40 @@ def _seconds(text: str, spec: str) -> float:
     return value
 
 
-def _build(fields: dict, spec: str, index: int, rng: random.Random, world: int) -> Fault:
+def _build(fields: dict, spec: str, index: int, rng: random.Random, world: int, nodes: int) -> Fault:
     kind = str(fields.get("kind", ""))
     if kind not in KINDS:
         raise FaultError(f"fault '{spec}': unknown kind '{kind}'{_nearest(kind, KINDS)}; the kinds are {', '.join(KINDS)}")
-    unknown = set(fields) - {"kind", "rank", "at", "count", "for"}
+    unknown = set(fields) - {"kind", "rank", "node", "at", "count", "for"}
     if unknown:
         key = sorted(unknown)[0]
-        raise FaultError(f"fault '{spec}': unknown key '{key}'{_nearest(key, ['rank', 'at', 'for'])}")
-    try:
-        rank = int(fields["rank"])
-    except (KeyError, ValueError):
-        raise FaultError(f"fault '{spec}': say which rank, e.g. {kind}:rank=0:at={KINDS[kind][0]}:10") from None
-    if not 0 <= rank < world:
-        raise FaultError(f"fault '{spec}': rank {rank} is out of range: this session has {world} GPU(s), "
-                         f"ranks 0 to {world - 1} (more with --gpus-per-node / --num-nodes)")
+        raise FaultError(f"fault '{spec}': unknown key '{key}'{_nearest(key, ['rank', 'node', 'at', 'for'])}")
+    rank = node = -1
+    if kind == "kill-node":
+        try:
+            node = int(fields["node"])
+        except (KeyError, ValueError):
+            raise FaultError(f"fault '{spec}': say which node, e.g. kill-node:node=0:at=after:30s") from None
+        if not 0 <= node < nodes:
+            raise FaultError(f"fault '{spec}': node {node} is out of range: this session has {nodes} node(s), "
+                             f"0 to {nodes - 1} (more with --num-nodes)")
+    else:
+        try:
+            rank = int(fields["rank"])
+        except (KeyError, ValueError):
+            raise FaultError(f"fault '{spec}': say which rank, e.g. {kind}:rank=0:at={KINDS[kind][0]}:10") from None
+        if not 0 <= rank < world:
+            raise FaultError(f"fault '{spec}': rank {rank} is out of range: this session has {world} GPU(s), "
+                             f"ranks 0 to {world - 1} (more with --gpus-per-node / --num-nodes)")
     trigger = str(fields.get("at", ""))
     if trigger not in KINDS[kind]:
         raise FaultError(f"fault '{spec}': a fault of kind {kind} fires at={' or at='.join(KINDS[kind])}, not at={trigger or '?'}; "
                          f"e.g. {kind}:rank={rank}:at={KINDS[kind][0]}:10")
     count = fields.get("count")
+    if trigger == "after":
+        if count is None:
+            raise FaultError(f"fault '{spec}': at=after needs a time, e.g. at=after:30s")
+        return Fault(index, kind, rank, trigger, 0, after_s=_seconds(str(count), spec), node=node)
     if count == "random":
         count = rng.randint(*RANDOM_RANGE)
     try:
@@ -123,7 +153,7 @@ def parse_spec(spec: str) -> dict:
     return fields
 
 
-def load(specs: list[str], file: str | None, seed: int | None, world: int) -> list[Fault]:
+def load(specs: list[str], file: str | None, seed: int | None, world: int, nodes: int) -> list[Fault]:
     """Every fault of the request, checked; raises FaultError naming the fix."""
     rng = random.Random(seed)
     entries: list[tuple[str, dict]] = [(spec, parse_spec(spec)) for spec in specs]
@@ -138,7 +168,7 @@ def load(specs: list[str], file: str | None, seed: int | None, world: int) -> li
             raise FaultError(f"--faults {file}: no [[fault]] tables (kind, rank, at, count, for)")
         entries += [(f"{file} [[fault]] {i + 1}", {k: str(v) if k != "count" else v for k, v in t.items()})
                     for i, t in enumerate(tables)]
-    return [_build(fields, spec, i + 1, rng, world) for i, (spec, fields) in enumerate(entries)]
+    return [_build(fields, spec, i + 1, rng, world, nodes) for i, (spec, fields) in enumerate(entries)]
 
 
 def draws_at_random(specs: list[str], file: str | None) -> bool:
@@ -148,8 +178,55 @@ def draws_at_random(specs: list[str], file: str | None) -> bool:
 
 
 def environment(faults: list[Fault]) -> str:
-    """MIRAGE_FAULTS as the shim reads it: 'rank:id,kind,trigger,count,stall_ms;...'."""
-    return ";".join(f"{f.rank}:{f.id},{f.kind},{f.trigger},{f.count},{round(f.stall_s * 1000)}" for f in faults)
+    """MIRAGE_FAULTS as the shim reads it: 'rank:id,kind,trigger,count,stall_ms;...' (faults the
+    processes count themselves; at=after is the launcher's, see FaultTimer)."""
+    return ";".join(f"{f.rank}:{f.id},{f.kind},{f.trigger},{f.count},{round(f.stall_s * 1000)}"
+                    for f in faults if f.trigger != "after")
+
+
+class FaultTimer(threading.Thread):
+    """The launcher's half: faults at=after. At its time it SIGKILLs, all at once, every process
+    of the session that is the rank (RANK=R in its environment: the rank and what it started) or
+    the node (MIRAGE_NODE_RANK=N: the node's torchrun agent included), claims the fault's marker
+    and logs it as the shim does."""
+
+    def __init__(self, faults: list[Fault], session_id: str, folder: Path, started: float, log) -> None:
+        super().__init__(name="mirage-faults", daemon=True)
+        self.faults = sorted((f for f in faults if f.trigger == "after"), key=lambda f: f.after_s)
+        self.session_id, self.folder, self.started, self.log = session_id, folder, started, log
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        for fault in self.faults:
+            if self.stopped.wait(max(0.0, self.started + fault.after_s - time.time())):
+                return
+            key, value = ("MIRAGE_NODE_RANK", fault.node) if fault.kind == "kill-node" else ("RANK", fault.rank)
+            victims = [pid for pid in session_processes(self.session_id) if _environ(pid).get(key) == str(value)]
+            if not victims:
+                continue  # not started yet or already gone: the fault did not fire
+            _claim(self.folder, fault, victims[0])
+            for pid in victims:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            who = f"node {fault.node} ({len(victims)} processes)" if fault.kind == "kill-node" else f"rank {fault.rank}"
+            self.log(f"fault {fault.id} injected: SIGKILL on {who} {fault.after_s:g} s into the session")
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def _claim(folder: Path, fault: Fault, pid: int) -> None:
+    """The marker the shim writes when it fires a fault, written by the launcher for at=after."""
+    with open(folder / str(fault.id), "x") as marker:
+        marker.write(json.dumps({"id": fault.id, "kind": fault.kind, "rank": fault.rank, "trigger": fault.trigger,
+                                 "count": fault.count, "pid": pid, "time": time.time()}) + "\n")
 
 
 def fired(folder: Path, faults: list[Fault], started: float) -> list[dict]:
