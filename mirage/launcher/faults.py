@@ -83,6 +83,17 @@ def _seconds(text: str, spec: str) -> float:
     return value
 
 
+def _target(fields: dict, key: str, limit: int, spec: str, example: str, there: str) -> int:
+    """The fault's rank or node, in range."""
+    try:
+        value = int(fields[key])
+    except (KeyError, ValueError):
+        raise FaultError(f"fault '{spec}': say which {key}, e.g. {example}") from None
+    if not 0 <= value < limit:
+        raise FaultError(f"fault '{spec}': {key} {value} is out of range: {there}")
+    return value
+
+
 def _build(fields: dict, spec: str, index: int, rng: random.Random, world: int, nodes: int) -> Fault:
     kind = str(fields.get("kind", ""))
     if kind not in KINDS:
@@ -93,21 +104,11 @@ def _build(fields: dict, spec: str, index: int, rng: random.Random, world: int, 
         raise FaultError(f"fault '{spec}': unknown key '{key}'{_nearest(key, ['rank', 'node', 'at', 'for'])}")
     rank = node = -1
     if kind == "kill-node":
-        try:
-            node = int(fields["node"])
-        except (KeyError, ValueError):
-            raise FaultError(f"fault '{spec}': say which node, e.g. kill-node:node=0:at=after:30s") from None
-        if not 0 <= node < nodes:
-            raise FaultError(f"fault '{spec}': node {node} is out of range: this session has {nodes} node(s), "
-                             f"0 to {nodes - 1} (more with --num-nodes)")
+        node = _target(fields, "node", nodes, spec, "kill-node:node=0:at=after:30s",
+                       f"this session has {nodes} node(s), 0 to {nodes - 1} (more with --num-nodes)")
     else:
-        try:
-            rank = int(fields["rank"])
-        except (KeyError, ValueError):
-            raise FaultError(f"fault '{spec}': say which rank, e.g. {kind}:rank=0:at={KINDS[kind][0]}:10") from None
-        if not 0 <= rank < world:
-            raise FaultError(f"fault '{spec}': rank {rank} is out of range: this session has {world} GPU(s), "
-                             f"ranks 0 to {world - 1} (more with --gpus-per-node / --num-nodes)")
+        rank = _target(fields, "rank", world, spec, f"{kind}:rank=0:at={KINDS[kind][0]}:10",
+                       f"this session has {world} GPU(s), ranks 0 to {world - 1} (more with --gpus-per-node / --num-nodes)")
     trigger = str(fields.get("at", ""))
     if trigger not in KINDS[kind]:
         raise FaultError(f"fault '{spec}': a fault of kind {kind} fires at={' or at='.join(KINDS[kind])}, not at={trigger or '?'}; "
