@@ -298,7 +298,7 @@ def run_session(request: RunRequest) -> int:
     timer: fault_specs.FaultTimer | None = None
     seed = request.seed if request.seed is not None else secrets.randbelow(2**31)
     faults = fault_specs.load(request.faults, request.faults_file, seed, request.num_nodes * gpus, request.num_nodes)
-    if request.seed is None and fault_specs.draws_at_random(request.faults, request.faults_file):
+    if request.seed is None and any(f.drawn for f in faults):
         narrate(f"faults at random counts drawn with seed {seed} (--seed {seed} draws the same)")
     try:
         shim = ensure_shim()

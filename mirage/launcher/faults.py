@@ -59,6 +59,7 @@ class Fault:
     stall_s: float = 0.0
     after_s: float = 0.0     # at=after: seconds into the session
     node: int = -1           # kill-node's node
+    drawn: bool = False      # the count came from --seed (at=TRIGGER:random)
 
     def describe(self) -> str:
         who = f"node {self.node}" if self.kind == "kill-node" else f"rank {self.rank}"
@@ -118,7 +119,8 @@ def _build(fields: dict, spec: str, index: int, rng: random.Random, world: int, 
         if count is None:
             raise FaultError(f"fault '{spec}': at=after needs a time, e.g. at=after:30s")
         return Fault(index, kind, rank, trigger, 0, after_s=_seconds(str(count), spec), node=node)
-    if count == "random":
+    drawn = count == "random"
+    if drawn:
         count = rng.randint(*RANDOM_RANGE)
     try:
         count = int(count)
@@ -134,7 +136,7 @@ def _build(fields: dict, spec: str, index: int, rng: random.Random, world: int, 
         stall_s = _seconds(str(fields["for"]), spec)
     elif "for" in fields:
         raise FaultError(f"fault '{spec}': for= applies to stall faults only")
-    return Fault(index, kind, rank, trigger, count, stall_s)
+    return Fault(index, kind, rank, trigger, count, stall_s, drawn=drawn)
 
 
 def parse_spec(spec: str) -> dict:
@@ -170,12 +172,6 @@ def load(specs: list[str], file: str | None, seed: int | None, world: int, nodes
         entries += [(f"{file} [[fault]] {i + 1}", {k: str(v) if k != "count" else v for k, v in t.items()})
                     for i, t in enumerate(tables)]
     return [_build(fields, spec, i + 1, rng, world, nodes) for i, (spec, fields) in enumerate(entries)]
-
-
-def draws_at_random(specs: list[str], file: str | None) -> bool:
-    """Whether any fault's count is 'random' (its draw then depends on the seed)."""
-    texts = list(specs) + ([Path(file).expanduser().read_text()] if file else [])
-    return any("random" in text for text in texts)
 
 
 def environment(faults: list[Fault]) -> str:
