@@ -124,3 +124,49 @@ def test_a_rank_killed_after_a_time_ends_as_a_sigkill_does():
                     timeout=120)
     assert result.returncode == 137
     assert "fault 1 injected: SIGKILL on rank 1 2 s into the session" in result.stderr
+
+
+@pytest.mark.parametrize("trigger, own_error", [
+    # the op raises what CUDA (HIP) raises once the GPU fell off the bus; the script ends on it
+    ("op:200", '"error": "AcceleratorError", "message": "HIP error: unknown error\\nHIP kernel errors might be'),
+    # a collective on the lost GPU: NCCL cannot launch its kernels, the watchdog takes the rank down
+    ("collective:5", "Process group watchdog thread terminated with exception: NCCL error: unhandled cuda error"),
+])
+def test_a_lost_gpu_fails_its_rank_and_its_peers_see_nccls_remote_error(trigger, own_error):
+    # 'survive': a rank that saw an error exits 0, so the launcher leaves the peer to its own fate
+    result = mirage("run", "--quiet", "--gpus-per-node", "2", "--nproc-per-node", "2",
+                    "--fault", f"lose-gpu:rank=1:at={trigger}", "--", "python", WORKLOAD, "survive", timeout=120)
+    assert f"fault 1 injected: GPU lost on rank 1 at its {trigger.replace(':', ' ')}" in result.stderr
+    rank1 = "\n".join(line for line in (result.stdout + result.stderr).splitlines() if line.startswith("[1]"))
+    assert own_error in rank1, rank1
+    # the peer, waiting in its all_reduce for rank 1, learns of it within a second, not at its timeout
+    assert "[0] [rank0]:[E" in result.stderr
+    assert ("Rank 0] Process group watchdog thread terminated with exception: NCCL error: remote process exited or "
+            "there was a network error, NCCL version 2.26.6\n[0] ncclRemoteError: A call failed possibly due to a "
+            "network error or a remote process exiting prematurely.\n[0] Last error:\n[0] proxy: connection closed by "
+            "group rank 1") in result.stderr
+    assert result.returncode == 134  # the peer's watchdog (SIGABRT)
+
+
+@pytest.mark.parametrize("how", ["shrink", "new-group"])
+def test_the_survivors_of_a_dead_rank_recover_in_job(how):
+    result = mirage("run", "--quiet", "--profile", "h100", "--gpus-per-node", "3", "--fault", "kill:rank=2:at=collective:4",
+                    "--", "python", "tests/workloads/recover_in_job.py", how, "2", timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(text) for text in re.findall(r"\{[^{}]*\}", result.stdout)]
+    assert lines[-1] == {"exit_codes": [0, 0, -9]}
+    survivors = sorted(lines[:-1], key=lambda line: line["rank"])
+    for rank, line in enumerate(survivors):
+        assert "NCCL error: remote process exited or there was a network error" in line["error"]
+        assert "connection closed by group rank 2" in line["error"]
+        # the group over the two survivors works: every all_reduce reaches both
+        assert (line["new_rank"], line["size"], line["sum"]) == (rank, 2, 2.0)
+
+
+def test_shrinking_a_group_is_refused_on_amd_profiles_as_rccl_lacks_it():
+    script = ("import torch, torch.distributed as dist\n"
+              "dist.init_process_group('nccl', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+              "print(dist.get_backend(), dist.group.WORLD._get_backend(torch.device('cuda')).supports_shrinking)\n")
+    amd = mirage("run", "--quiet", "--", "python", "-c", script)
+    nvidia = mirage("run", "--quiet", "--profile", "h100", "--", "python", "-c", script)
+    assert (amd.stdout.split(), nvidia.stdout.split()) == (["nccl", "False"], ["nccl", "True"]), amd.stderr + nvidia.stderr

@@ -7,6 +7,12 @@
     --fault stall:rank=5:at=collective:40:for=900s
                                                rank 5 holds its 40th collective for 900 s, so
                                                the peers' timeouts fire as on a cluster
+    --fault lose-gpu:rank=1:at=op:300          rank 1's GPU falls off the bus at its 300th op: that op
+                                               and every later one raise CUDA's "unknown error"
+                                               (torch.AcceleratorError); its collectives fail with
+                                               ncclUnhandledCudaError, and once it dies or aborts the
+                                               peers' collectives fail with ncclRemoteError, which
+                                               their watchdog turns into taking them down
     --fault kill:rank=2:at=after:30s           SIGKILL rank 2 (and its children) 30 s into the session
     --fault kill-node:node=1:at=after:30s      SIGKILL every process of emulated node 1 at once
                                                (its torchrun agent too), as a node that reboots
@@ -41,6 +47,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "kill-node": ("after",),
     "stall": ("collective",),
     "oom": ("alloc",),
+    "lose-gpu": ("op", "alloc", "collective"),
 }
 RANDOM_RANGE = (1, 100)  # at=random draws the count from here
 

@@ -40,6 +40,7 @@
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -489,6 +490,35 @@ class ProcessGroupNCCL final : public c10d::Backend {
   c10::intrusive_ptr<Options> options() const { return options_; }
   bool supportsCoalescing() const override { return true; }
   bool supportsSplitting() const override { return false; }
+  // ncclCommShrink exists from NCCL 2.27 (the emulated NCCL's version); RCCL 2.26 lacks it, so a
+  // ROCm build of torch refuses dist.shrink_group, and so does an AMD profile.
+  bool supportsShrinking() const override { return std::string(library()) == "NCCL"; }
+
+  // dist.shrink_group: a communicator over the ranks not excluded, formed by those ranks alone
+  // (through this group's store, under a key of this communicator and shrink), as ncclCommShrink
+  // forms it from the parent without the excluded ranks. SHRINK_ABORT (1) aborts the parent first.
+  c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranks_to_exclude, int shrink_flags,
+                                           const c10::intrusive_ptr<c10d::Backend::Options>& opts_override) override {
+    TORCH_CHECK(supportsShrinking(), "Backend nccl does not support shrink");
+    const std::set<int64_t> excluded(ranks_to_exclude.begin(), ranks_to_exclude.end());
+    TORCH_CHECK_VALUE(!excluded.count(rank_), "rank ", rank_, " is excluded from the shrunk group and must not call "
+                      "shrink_group");
+    if (shrink_flags & 1) abort();
+    auto options = c10::make_intrusive<Options>(*options_);
+    if (auto asked = c10::dynamic_intrusive_pointer_cast<Options>(opts_override)) options = c10::make_intrusive<Options>(*asked);
+    const auto parent_ranks = group_ranks();
+    options->global_ranks_in_group.clear();
+    int new_rank = 0;
+    for (int r = 0; r < size_; ++r) {
+      if (excluded.count(r)) continue;
+      if (r < rank_) ++new_rank;
+      options->global_ranks_in_group.push_back(parent_ranks[static_cast<size_t>(r)]);
+    }
+    const auto store = c10::make_intrusive<c10d::PrefixStore>(
+        "mirage/shrink/" + comm_->instance() + "/" + std::to_string(++shrinks_), store_);
+    return c10::make_intrusive<ProcessGroupNCCL>(store, new_rank, static_cast<int>(options->global_ranks_in_group.size()),
+                                                 options);
+  }
   uint64_t uid() const { return uid_; }
   const std::string& instance() const { return comm_->instance(); }
 
@@ -816,7 +846,13 @@ class ProcessGroupNCCL final : public c10d::Backend {
 
   // ------------------------------------------------------------ lifetime
 
-  void abort() override { stop_worker(); }
+  // ncclCommAbort: what waits on this communicator here fails at once, and so do the peers
+  // waiting for this rank (ncclRemoteError there); a new group is what can be used next.
+  void abort() override {
+    failed_ = true;
+    comm_->abort();
+    stop_worker();
+  }
   void shutdown() override { stop_worker(); }
   c10d::ErrorType getError() override { return failed_ ? c10d::ErrorType::COMM_ERROR : c10d::ErrorType::SUCCESS; }
 
@@ -978,30 +1014,49 @@ class ProcessGroupNCCL final : public c10d::Backend {
     }
   }
 
-  // What the watchdog does with a failed operation: NCCL's timeout message; then, unless the
-  // user asked for errors in the caller (TORCH_NCCL_BLOCKING_WAIT=1, or async error handling
-  // off), the process is taken down as ProcessGroupNCCL's watchdog takes it down.
+  // What the watchdog does with a failed operation: NCCL's timeout message, or for a
+  // communicator error (ncclRemoteError: a peer died or aborted; ncclUnhandledCudaError: this
+  // rank's GPU was lost) the watchdog's exception; then, unless the user asked for errors in the
+  // caller (TORCH_NCCL_BLOCKING_WAIT=1, or async error handling off), the process is taken down
+  // as ProcessGroupNCCL's watchdog takes it down.
   std::exception_ptr on_failure(const Record& r, const c10::Error& e, bool timed_out) {
     failed_ = true;
+    const bool comm_error = !timed_out && (comm_->remote_failed() || device_lost());
     // The transport's message names the work (describe_work) and what went wrong.
-    const bool take_down = timed_out && !blocking_wait_ && async_error_handling_ != 0;
+    const bool take_down = (timed_out || comm_error) && !blocking_wait_ && async_error_handling_ != 0;
     // With blocking wait the caller gets the watchdog's own message (as WorkNCCL::wait raises it).
-    std::string message = timed_out ? log_prefix() + "Watchdog caught collective operation timeout: " +
-                                          e.what_without_backtrace()
-                                    : log_prefix() + describe_work(r) + " failed: " + e.what_without_backtrace();
+    std::string message = timed_out    ? log_prefix() + "Watchdog caught collective operation timeout: " +
+                                              e.what_without_backtrace()
+                          : comm_error ? log_prefix() + e.what_without_backtrace()
+                                       : log_prefix() + describe_work(r) + " failed: " + e.what_without_backtrace();
     if (timed_out) dump_trace_once();
     if (take_down) {
       std::ostringstream log;
       const std::time_t now = std::time(nullptr);
       char stamp[32];
       std::strftime(stamp, sizeof(stamp), "%m%d %H:%M:%S", std::localtime(&now));
-      log << "[rank" << my_global_rank() << "]:[E" << stamp << " ProcessGroupNCCL.cpp] " << message << "\n"
-          << "[rank" << my_global_rank() << "]:[E" << stamp << " ProcessGroupNCCL.cpp] " << log_prefix()
-          << "To avoid data inconsistency, we are taking the entire process down.\n";
+      const std::string line = "[rank" + std::to_string(my_global_rank()) + "]:[E" + stamp + " ProcessGroupNCCL.cpp] ";
+      if (timed_out) log << line << message << "\n";
+      else {
+        log << line << log_prefix() << "Some NCCL operations have failed or timed out. Due to the "
+            << "asynchronous nature of CUDA kernels, subsequent GPU operations might run on corrupted/incomplete data.\n";
+      }
+      log << line << log_prefix() << "To avoid data inconsistency, we are taking the entire process down.\n";
+      if (comm_error) {
+        log << line << log_prefix() << "Process group watchdog thread terminated with exception: "
+            << e.what_without_backtrace() << "\n";
+      }
       std::cerr << log.str() << std::flush;
+      comm_->abort();  // the peers learn at once, as NCCL's proxy connections close with the process
       std::abort();
     }
     return std::make_exception_ptr(c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, __LINE__}, message));
+  }
+
+  // Faults on purpose (--fault lose-gpu): whether this process's GPU was lost (mirage/shim/faults.h).
+  static bool device_lost() {
+    static const auto lost = reinterpret_cast<bool (*)()>(dlsym(RTLD_DEFAULT, "mirage_device_lost"));
+    return lost && lost();
   }
 
   // TORCH_NCCL_DUMP_ON_TIMEOUT (on by default, with a trace buffer): the first timeout of the
@@ -1079,7 +1134,6 @@ class ProcessGroupNCCL final : public c10d::Backend {
     r.state = "started";
     keep_trace(r);
     record(r, true);
-    inject_fault(r);
     std::exception_ptr error;
     const auto finished = [&] {
       r.completed_ns = wall_ns();
@@ -1090,6 +1144,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
     const bool clocked = shim_clock().on && barrier_device_ >= 0;
     if (clocked) timing_.ready_ns = shim_clock().ready(barrier_device_, comm_stream());
     try {
+      inject_fault(r);
       comm_->check_usable(timing_.what);
       run();
     } catch (const c10::DistBackendError& e) {
@@ -1114,7 +1169,9 @@ class ProcessGroupNCCL final : public c10d::Backend {
 
   // Faults on purpose (mirage/shim/faults.h): the shim counts this process's collectives and kills
   // it at a kill fault's; a stall holds the collective here, on the communicator's stream, so the
-  // peers wait inside theirs until their timeout, as behind a rank stuck in NCCL.
+  // peers wait inside theirs until their timeout, as behind a rank stuck in NCCL. On a lost GPU
+  // (a lose-gpu fault, here or at an earlier op) the collective fails as NCCL's does when its
+  // kernels cannot launch: ncclUnhandledCudaError.
   void inject_fault(const Record& r) {
     static const auto at_collective =
         reinterpret_cast<int64_t (*)()>(dlsym(RTLD_DEFAULT, "mirage_fault_at_collective"));
@@ -1123,6 +1180,10 @@ class ProcessGroupNCCL final : public c10d::Backend {
       LOG(WARNING) << log_prefix() << "mirage fault: stalling " << describe_work(r) << " for " << stall_ms << " ms";
       std::this_thread::sleep_for(std::chrono::milliseconds(stall_ms));
     }
+    const bool amd = std::string(library()) == "RCCL";
+    TORCH_CHECK_WITH(DistBackendError, !device_lost(), "NCCL error: unhandled cuda error (run with NCCL_DEBUG=INFO for "
+                     "details), NCCL version ", nccl_version(), "\nncclUnhandledCudaError: Call to CUDA function "
+                     "failed.\nLast error:\n", amd ? "HIP failure 'unknown error'" : "Cuda failure 999 'unknown error'");
   }
 
   // Clocked mode: the communicator's own stream (ProcessGroupNCCL takes one per device).
@@ -1380,6 +1441,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
   std::mutex collective_mu_;
   Timing timing_;  // of the collective in progress (under collective_mu_)
   std::atomic<uint64_t> seq_{0}, p2p_seq_{0};
+  int shrinks_ = 0;  // this communicator's shrinks so far (each forms under a key of its own)
   bool gpus_checked_ = false;
   int nodes_in_group_ = 1;               // emulated nodes the group spans (from the first collective)
   std::vector<int64_t> host_of_rank_;    // each rank's node (its NCCL_HOSTID's hash)
@@ -1549,6 +1611,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return c10::make_intrusive<mirage::nccl::GlooOnDevice>(gloo);
       }));
   m.def("_set_session_fd", &ProcessGroupNCCL::set_session_fd);
+  m.def("_set_nccl_version", [](const std::string& version) { mirage::nccl::nccl_version() = version; });
   m.def("_trace_pickle", [](bool include_collectives, bool only_active) {
     return py::bytes(mirage::nccl::trace_pickle(include_collectives, only_active));
   }, py::arg("include_collectives") = true, py::arg("only_active") = false);

@@ -77,10 +77,13 @@ constexpr size_t kDirectMinBytes = size_t{256} << 10;
 constexpr uint64_t kDirectMessage = uint64_t{1} << 63;  // in a message's header: its bytes stay in the sender
 constexpr uint64_t kNotShared = ~uint64_t{0};           // a tensor outside its process's arena
 
-// What a rank tells its peers at connect: its arena, and whether it could map every peer's.
+// What a rank tells its peers at connect: its process, its arena, and whether it could map every
+// peer's; later, that its communicator is gone (aborted), which fails the peers waiting for it.
 struct alignas(64) Peer {
   MirageSharedArena arena;
   uint32_t can_map;
+  uint32_t gone;
+  int64_t pid;
 };
 
 // exchange_pieces' table, per source and destination: where the source's piece lies (an offset
@@ -214,6 +217,7 @@ class ShmCommunicator final : public Communicator {
                 const std::function<void(std::vector<Transfer>&)>& poll,
                 const std::function<void(size_t)>& finished) override;
   void interrupt_transfer() override { ring_bell(rank_); }
+  void abort() override;
   void exchange_pieces(const Call& asked, const std::vector<Piece>& send, const std::vector<Piece>& recv,
                        const Timing& timing) override;
 
@@ -239,6 +243,9 @@ class ShmCommunicator final : public Communicator {
   char* slot(int buffer, int r) const;
   int next_buffer() { return static_cast<int>(chunks_++ & 1); }
   void barrier(const Timing& timing);
+  // While a call waits: raises ncclRemoteError if one of `waited_for` ended or aborted, or this
+  // communicator's own abort if another thread aborted it.
+  void check_peers(const std::vector<int>& waited_for, const std::string& what) const;
   void exchange(int buffer, const Call& asked, bool first_chunk, const Timing& timing);
   void reduce_chunks(char* data, int64_t numel, at::ScalarType dtype, const Reduction& reduction, int root,
                      const Call& asked, const Timing& timing);
@@ -352,6 +359,7 @@ void ShmCommunicator::probe_peer_memory(bool allowed, const Timing& timing) {
   own_ = allowed ? own_arena() : MirageSharedArena{};
   Peer* me = peer(rank_);
   me->arena = own_;
+  me->pid = ::getpid();
   barrier(timing);
   bool can_map = own_.capacity > 0;
   std::vector<std::shared_ptr<PeerArena>> mapped(static_cast<size_t>(size_));
@@ -414,14 +422,40 @@ void ShmCommunicator::barrier(const Timing& timing) {
     cpu_relax();
   }
   while (gen.load(std::memory_order_acquire) == seen) {
-    if (!sleep_on(generation(), seen, timing.deadline)) {
-      std::vector<int> missing;
-      for (int r = 0; r < size_; ++r) {
-        if (std::atomic_ref<uint64_t>(*entered(r)).load(std::memory_order_relaxed) < barriers_) missing.push_back(r);
-      }
-      fail_timeout(timing, missing, "reached it");
+    const bool in_time = sleep_on(generation(), seen, timing.deadline);
+    if (gen.load(std::memory_order_acquire) != seen) break;
+    std::vector<int> missing;
+    for (int r = 0; r < size_; ++r) {
+      if (std::atomic_ref<uint64_t>(*entered(r)).load(std::memory_order_relaxed) < barriers_) missing.push_back(r);
+    }
+    check_peers(missing, timing.what);
+    if (!in_time) fail_timeout(timing, missing, "reached it");
+  }
+}
+
+void ShmCommunicator::check_peers(const std::vector<int>& waited_for, const std::string& what) const {
+  check_not_aborted(what);
+  for (int r : waited_for) {
+    const Peer* p = peer(r);
+    const int64_t pid = std::atomic_ref<const int64_t>(p->pid).load(std::memory_order_acquire);
+    const uint32_t gone = std::atomic_ref<const uint32_t>(p->gone).load(std::memory_order_acquire);
+    if (gone) {
+      const_cast<ShmCommunicator*>(this)->fail_remote("proxy: connection closed by group rank " + std::to_string(r) +
+                                                      " (pid " + std::to_string(pid) + "): its communicator was aborted");
+    }
+    if (r != rank_ && process_ended(pid)) {
+      const_cast<ShmCommunicator*>(this)->fail_remote("proxy: connection closed by group rank " + std::to_string(r) +
+                                                      " (pid " + std::to_string(pid) + "): the process exited");
     }
   }
+}
+
+void ShmCommunicator::abort() {
+  Communicator::abort();
+  std::atomic_ref<uint32_t>(peer(rank_)->gone).store(1, std::memory_order_release);
+  // Wake every waiter, here and on the peers, so they see it now rather than at their deadline.
+  futex(generation(), FUTEX_WAKE, INT_MAX, nullptr);
+  for (int r = 0; r < size_; ++r) ring_bell(r);
 }
 
 // The barrier after a chunk's copy-in; on a call's first chunk, also the comparison of calls.
@@ -709,6 +743,7 @@ void ShmCommunicator::transfer(std::vector<Transfer>& transfers, int channel, co
   size_t done = 0;
   for (const Transfer& t : transfers) done += t.finished();
   int idle_rounds = 0;
+  bool quiet_round_passed = false;  // a quiet round passed since the last movement
   while (done < transfers.size()) {
     const uint32_t seen = std::atomic_ref<uint32_t>(*doorbell(rank_)).load(std::memory_order_acquire);
     bool moved = false;
@@ -762,6 +797,7 @@ void ShmCommunicator::transfer(std::vector<Transfer>& transfers, int channel, co
     }
     if (moved) {
       idle_rounds = 0;
+      quiet_round_passed = false;
       continue;
     }
     if (poll) {
@@ -779,7 +815,17 @@ void ShmCommunicator::transfer(std::vector<Transfer>& transfers, int channel, co
       if (!t.finished()) deadline = std::min(deadline, t.deadline);
     }
     // Wake at least every 200 ms to take new work (`poll`) even if no peer rings.
-    if (!sleep_on(doorbell(rank_), seen, deadline)) {
+    const bool in_time = sleep_on(doorbell(rank_), seen, deadline);
+    if (std::atomic_ref<uint32_t>(*doorbell(rank_)).load(std::memory_order_acquire) != seen) continue;
+    // Nothing rang: a peer that ended may have left its last bytes in a ring, so it is judged
+    // only after a round that moved nothing following its end (its ring is drained by then).
+    std::vector<int> waited_for;
+    for (const Transfer& t : transfers) {
+      if (!t.finished()) waited_for.push_back(t.peer);
+    }
+    if (quiet_round_passed) check_peers(waited_for, what);
+    quiet_round_passed = true;
+    if (!in_time) {
       for (const Transfer& t : transfers) {
         if (!t.finished() && t.deadline <= Clock::now()) {
           Timing timing{t.deadline, t.timeout, what};

@@ -89,6 +89,15 @@ class SocketCommunicator final : public Communicator {
     const uint64_t one = 1;
     if (interrupt_ >= 0) (void)!::write(interrupt_, &one, sizeof(one));
   }
+  // The connections are shut down (not closed: a call of another thread may still poll them), so
+  // every peer's next read sees them closed, as NCCL's peers see an aborted rank's.
+  void abort() override {
+    Communicator::abort();
+    for (int fd : fds_) {
+      if (fd >= 0) ::shutdown(fd, SHUT_RDWR);
+    }
+    interrupt_transfer();
+  }
 
   void agree(const Call& asked, const Timing& timing) override {
     std::vector<Call> calls(static_cast<size_t>(size_));
@@ -272,10 +281,11 @@ class SocketCommunicator final : public Communicator {
       return true;
     }
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return false;
-    unusable_ = true;
-    TORCH_CHECK_WITH(DistBackendError, false, what, ": the connection to group rank ", t.peer,
-                     " closed (the rank died or destroyed its process group)",
-                     n < 0 ? std::string(": ") + std::strerror(errno) : std::string());
+    check_not_aborted(what);
+    // A peer that died, aborted or destroyed its group: NCCL's net transport reports it so.
+    fail_remote(std::string(t.send ? "socketProgress: " : "socketRecv: ") + "connection to group rank " +
+                std::to_string(t.peer) + " closed by remote peer" +
+                (n < 0 ? std::string(": ") + std::strerror(errno) : std::string()));
   }
 
   // all_reduce (root -1) and reduce: per chunk, every rank sends its contribution to every rank

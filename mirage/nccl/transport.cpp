@@ -6,6 +6,9 @@
 #include <ATen/Dispatch.h>
 #include <c10/util/Exception.h>
 
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
 #include <cstring>
 #include <sstream>
 
@@ -165,8 +168,9 @@ void Communicator::copy_own_piece(const Piece& send, const Piece& recv) {
 }
 
 void Communicator::check_usable(const std::string& what) const {
+  check_not_aborted(what);
   TORCH_CHECK_WITH(DistBackendError, !unusable_, what, ": an earlier collective of this communicator failed (a "
-                   "timeout or a desync); the communicator is aborted and cannot be used again, as with NCCL. "
+                   "timeout, a desync or a peer that died or aborted); the communicator is aborted and cannot be used again, as with NCCL. "
                    "Destroy the process group and create a new one.");
 }
 
@@ -200,6 +204,37 @@ void Communicator::fail_timeout(const Timing& timing, const std::vector<int>& mi
                    "init_process_group/new_group if they are just slow.");
 }
 
+
+std::string& nccl_version() {
+  static std::string version = "2.27.5";
+  return version;
+}
+
+bool process_ended(int64_t pid) {
+  if (pid <= 0) return false;
+  if (::kill(static_cast<pid_t>(pid), 0) != 0) return errno == ESRCH;
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%lld/stat", static_cast<long long>(pid));
+  FILE* stat = std::fopen(path, "r");
+  if (!stat) return errno == ENOENT;
+  char line[512] = {0};
+  const size_t n = std::fread(line, 1, sizeof line - 1, stat);
+  std::fclose(stat);
+  const char* name_end = std::strrchr(line, ')');  // "pid (comm) S ...": the state follows the name
+  return n > 0 && name_end && (name_end[2] == 'Z' || name_end[2] == 'X');
+}
+
+void Communicator::fail_remote(const std::string& last_error) {
+  unusable_ = true;
+  remote_failed_ = true;
+  TORCH_CHECK_WITH(DistBackendError, false, "NCCL error: remote process exited or there was a network error, NCCL "
+                   "version ", nccl_version(), "\nncclRemoteError: A call failed possibly due to a network error or a "
+                   "remote process exiting prematurely.\nLast error:\n", last_error);
+}
+
+void Communicator::check_not_aborted(const std::string& what) const {
+  TORCH_CHECK_WITH(DistBackendError, !aborted_, what, ": NCCL communicator was aborted on rank ", rank_, ".");
+}
 
 void Communicator::fail_size(const Transfer& t, const std::string& what) {
   unusable_ = true;

@@ -7,8 +7,10 @@
 // tensors' bytes, dense); counts are elements; each element is reduced once, in rank order, so
 // every rank gets the same bits. Every collective first compares the ranks' calls, so a desync
 // fails on every rank naming each call. A peer that does not arrive by the deadline raises
-// c10::DistBackendError naming the call and the ranks concerned; the communicator is unusable
-// after that, as an NCCL communicator is.
+// c10::DistBackendError naming the call and the ranks concerned; a peer that died, or whose
+// communicator was aborted, raises NCCL's ncclRemoteError as soon as it is seen (within 200 ms),
+// as NCCL's proxy reports a closed connection. The communicator is unusable after either, as an
+// NCCL communicator is.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -135,6 +137,12 @@ class Communicator {
 
   // Refuses a communicator that failed before (a timeout or a desync).
   void check_usable(const std::string& what) const;
+  // Whether the last failure was NCCL's ncclRemoteError (a peer died or aborted), which
+  // ProcessGroupNCCL's watchdog turns into taking the process down.
+  bool remote_failed() const { return remote_failed_; }
+  // ncclCommAbort: this rank's pending and future calls fail, and the peers waiting for it are
+  // told (ncclRemoteError on their side), as NCCL's proxy connections close.
+  virtual void abort() { unusable_ = aborted_ = true; }
   // Clocked mode: the latest ready time of all ranks in the last call compared, which is when a
   // collective starts (the last rank to reach it starts it).
   int64_t agreed_ready_ns() const { return agreed_ready_ns_; }
@@ -144,6 +152,10 @@ class Communicator {
   // Raises the desync report unless every rank's call equals `asked` (calls[r]: rank r's).
   void check_calls_match(const Call* calls, const Call& asked, const std::string& what);
   [[noreturn]] void fail_timeout(const Timing& timing, const std::vector<int>& missing, const char* waiting_for);
+  // ncclRemoteError: group rank `peer` is gone; `last_error` is what NCCL's "Last error:" says.
+  [[noreturn]] void fail_remote(const std::string& last_error);
+  // Raises if this communicator was aborted (by another thread) while a call of it waited.
+  void check_not_aborted(const std::string& what) const;
   // A receive whose matching send had another size (the header of `t` says what was sent), or
   // on the sending side, a send the receiver refused for that reason.
   [[noreturn]] void fail_size(const Transfer& t, const std::string& what);
@@ -153,8 +165,15 @@ class Communicator {
   std::string instance_;
   int rank_, size_;
   std::atomic<bool> unusable_{false};  // written by the point-to-point worker too
+  std::atomic<bool> remote_failed_{false}, aborted_{false};
   int64_t agreed_ready_ns_ = 0;
 };
+
+// The NCCL (RCCL) version the backend reports, for its error messages ("2.27.5"); set by the
+// runtime from the version torch.cuda.nccl.version() gives.
+std::string& nccl_version();
+// Whether process `pid` has ended (gone, or a zombie nobody reaped yet).
+bool process_ended(int64_t pid);
 
 // acc = acc (op) x, elementwise, in `dtype` (bool as uint8). Plain loops, vectorised by the
 // compiler: ATen kernels would wake intra-op threads, and with more ranks than cores the peers

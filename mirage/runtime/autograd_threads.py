@@ -46,7 +46,10 @@ def drain_at_exit(torch: ModuleType) -> None:
     for index in range(torch.cuda.device_count()):
         if not (torch.cuda.memory_allocated(index) or torch.cuda.max_memory_allocated(index)):
             continue  # never used: no pass ran there, and a drain would show in its memory figures
-        leaf = torch.zeros(0, device=torch.device("cuda", index), requires_grad=True)  # allocates nothing
+        try:
+            leaf = torch.zeros(0, device=torch.device("cuda", index), requires_grad=True)  # allocates nothing
+        except torch.AcceleratorError:
+            return  # the GPU was lost (--fault lose-gpu): no pass can run there, and none is pending
         root = leaf * 1
         engine.run_backward((root,), (torch.ones_like(root),), False, False, (), True, True)
 

@@ -120,6 +120,7 @@ def _add_nccl_build_functions(torch: ModuleType, module: ModuleType, is_amd: boo
     _add_single_process_nccl(torch)
     c10d_bindings = C._distributed_c10d
     version = _RCCL_VERSION if is_amd else _NCCL_VERSION
+    module._set_nccl_version(".".join(map(str, version)))  # for NCCL's error messages
     C._nccl_version = lambda: (version[0] << 32) | (version[1] << 16) | version[2]
     C._nccl_version_suffix = lambda: b""
     c10d_bindings._hash_tensors = _hash_tensors

@@ -56,4 +56,13 @@ inline void check_index(DeviceIndex index) {
 // "1.50 MiB": sizes as the caching allocator's messages print them.
 std::string format_size(int64_t bytes);
 
+// What torch appends to a CUDA (HIP) error's message: where it may really have come from, and
+// how to find out.
+inline std::string cuda_error_suffix() {
+  const char* api = config().amd ? "HIP" : "CUDA";
+  return std::string(api) + " kernel errors might be asynchronously reported at some other API call, so the "
+         "stacktrace below might be incorrect.\nFor debugging consider passing " + api + "_LAUNCH_BLOCKING=1\nCompile "
+         "with `TORCH_USE_" + api + "_DSA` to enable device-side assertions.\n";
+}
+
 }  // namespace mirage

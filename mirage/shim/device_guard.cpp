@@ -1,5 +1,6 @@
 // The CUDA device guard (c10::impl::DeviceGuardImplInterface): current device, streams, events.
 #include "device_guard.h"
+#include "faults.h"
 
 #include "device_clock.h"
 
@@ -70,6 +71,7 @@ struct MirageGuard final : c10::impl::DeviceGuardImplInterface {
   bool queryEvent(void*) const override { return true; }
   bool queryStream(const c10::Stream&) const override { return true; }
   void synchronizeStream(const c10::Stream& stream) const override {
+    check_device_not_lost();
     if (timing()) host_waits_for(stream_time(stream.device_index(), stream.id()));
   }
   void synchronizeEvent(void* event) const override {
@@ -77,6 +79,7 @@ struct MirageGuard final : c10::impl::DeviceGuardImplInterface {
     if (timing() && e && e->recorded) host_waits_for(e->ns);
   }
   void synchronizeDevice(const DeviceIndex device) const override {
+    check_device_not_lost();
     if (timing()) host_waits_for(device_time(device < 0 ? tl_device : device));
   }
   void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}

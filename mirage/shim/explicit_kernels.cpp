@@ -2,6 +2,7 @@
 // does: allocation (empty), copies between host and device, set_ with storages, dropout with the
 // device's generator, autocast's half-to-float softmax, and the choices of backend (convolution,
 // CTC loss) a CUDA build makes differently.
+#include "faults.h"
 #include "device_guard.h"
 #include "device_memory.h"
 #include "generators.h"
@@ -63,6 +64,7 @@ static void clock_copy(const at::Tensor& self, const at::Tensor& src, bool non_b
 
 // Any direction between host and device, or between devices: the bytes are all host memory.
 static at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool non_blocking) {
+  if (C10_UNLIKELY(g_fault_ops.load(std::memory_order_relaxed))) check_device_not_lost();  // --fault lose-gpu
   if (capturing()) {
     if (!self.is_cuda() || !src.is_cuda()) refuse_during_capture();  // a host copy syncs the stream
     record_step([into = graph_reference(self), from = graph_reference(src)]() mutable { into.copy_(from); });

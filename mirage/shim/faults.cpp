@@ -1,5 +1,7 @@
 #include "faults.h"
 
+#include "config.h"
+
 #include <c10/util/Exception.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -19,8 +21,10 @@ std::atomic<bool> g_fault_ops{false}, g_fault_allocs{false};
 
 namespace {
 
+std::atomic<bool> g_device_lost{false};
+
 // One fault as the launcher encodes it: "id,kind,trigger,count,stall_ms" (kind: kill, stall,
-// oom; trigger: op, alloc, collective), already filtered to ranks that exist and checked.
+// oom, lose-gpu; trigger: op, alloc, collective), already filtered to ranks that exist and checked.
 struct Fault {
   int id = 0;
   std::string kind, trigger;
@@ -103,20 +107,48 @@ const Fault* due(const char* trigger, int64_t count) {
   return nullptr;
 }
 
+// A lose-gpu fault: from now on the process's device work raises (the hot paths' flags make
+// the op path and the allocator look), as after a GPU fell off the bus (Xid 79).
+void lose_device() {
+  g_device_lost = true;
+  g_fault_ops = true;
+  g_fault_allocs = true;
+}
+
 }  // namespace
 
 void faults_loaded() { (void)faults(); }
 
+void check_device_not_lost() {
+  if (C10_LIKELY(!g_device_lost.load(std::memory_order_relaxed))) return;
+  // cudaErrorUnknown (999), what the runtime returns once the device is gone, in torch's wording.
+  const bool amd = config().amd;
+  const char* api = amd ? "HIP" : "CUDA";
+  throw c10::AcceleratorError(c10::SourceLocation{__func__, __FILE__, __LINE__}, 999,
+                              std::string(api) + " error: unknown error\n" + cuda_error_suffix());
+}
+
 void fault_at_op() {
+  check_device_not_lost();
   const Fault* fault = due("op", ++faults().ops);
-  if (fault && claim(*fault, "SIGKILL")) kill_self();
+  if (!fault) return;
+  if (fault->kind == "kill" && claim(*fault, "SIGKILL")) kill_self();
+  if (fault->kind == "lose-gpu" && claim(*fault, "GPU lost")) {
+    lose_device();
+    check_device_not_lost();
+  }
 }
 
 void fault_at_alloc(c10::DeviceIndex dev, size_t nbytes, void (*raise_oom)(c10::DeviceIndex, int64_t)) {
+  check_device_not_lost();
   const Fault* fault = due("alloc", ++faults().allocs);
   if (!fault) return;
   if (fault->kind == "kill" && claim(*fault, "SIGKILL")) kill_self();
   if (fault->kind == "oom" && claim(*fault, "out of memory")) raise_oom(dev, static_cast<int64_t>(nbytes));
+  if (fault->kind == "lose-gpu" && claim(*fault, "GPU lost")) {
+    lose_device();
+    check_device_not_lost();
+  }
 }
 
 }  // namespace mirage
@@ -128,8 +160,11 @@ extern "C" int64_t mirage_fault_at_collective() {
   if (!fault) return 0;
   if (fault->kind == "kill" && claim(*fault, "SIGKILL")) kill_self();
   if (fault->kind == "stall" && claim(*fault, "stall")) return fault->stall_ms;
+  if (fault->kind == "lose-gpu" && claim(*fault, "GPU lost")) lose_device();  // the backend sees it
   return 0;
 }
+
+extern "C" bool mirage_device_lost() { return mirage::g_device_lost.load(std::memory_order_relaxed); }
 
 // Read MIRAGE_FAULTS when the shim loads, so the hot paths' flags are set before the first op.
 static const bool g_faults_read = (mirage::faults_loaded(), true);

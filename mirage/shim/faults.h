@@ -5,6 +5,9 @@
 // process's Nth device op (op path), Nth device allocation (the allocator), Nth collective (the
 // emulated NCCL asks through mirage_fault_at_collective). Every fault that fires is logged on
 // stderr with rank, trigger and time, and its marker is what the session summary lists.
+// A lost GPU (lose-gpu) stays lost for the process: every later op, allocation, copy and
+// synchronisation raises what CUDA (HIP) raises for a GPU that fell off the bus, and the emulated
+// NCCL fails its collectives as NCCL does (mirage_device_lost).
 #pragma once
 #include <c10/core/Device.h>
 #include <atomic>
@@ -17,8 +20,10 @@ extern std::atomic<bool> g_fault_ops, g_fault_allocs;
 
 // Reads MIRAGE_FAULTS (once, as the shim loads).
 void faults_loaded();
-// The op path's count: kills the process at the fault's op.
+// The op path's count: kills the process at the fault's op (or loses its GPU); on a lost GPU, raises.
 void fault_at_op();
+// Raises torch.AcceleratorError ("CUDA error: unknown error") once this process's GPU is lost.
+void check_device_not_lost();
 // The allocator's count: raises the caching allocator's out-of-memory error at the fault's
 // allocation (as a real OOM on that one rank), through `raise_oom(dev, bytes)`.
 void fault_at_alloc(c10::DeviceIndex dev, size_t nbytes, void (*raise_oom)(c10::DeviceIndex, int64_t));
@@ -27,6 +32,9 @@ void fault_at_alloc(c10::DeviceIndex dev, size_t nbytes, void (*raise_oom)(c10::
 
 extern "C" {
 // The emulated NCCL's count, called as each collective starts: kills the process at a kill
-// fault's collective; returns the milliseconds a stall fault holds this collective (0: none).
+// fault's collective, loses its GPU at a lose-gpu fault's; returns the milliseconds a stall
+// fault holds this collective (0: none).
 int64_t mirage_fault_at_collective();
+// Whether a lose-gpu fault took this process's GPU.
+bool mirage_device_lost();
 }

@@ -36,12 +36,8 @@ static std::atomic<bool> g_capture_failed{false};
 
 [[noreturn]] void refuse_during_capture() {
   g_capture_failed = true;
-  const bool amd = config().amd;
-  const char* api = amd ? "HIP" : "CUDA";
-  TORCH_CHECK(false, api, " error: operation not permitted when stream is capturing\n", api,
-      " kernel errors might be asynchronously reported at some other API call, so the stacktrace below might be "
-      "incorrect.\nFor debugging consider passing ", api, "_LAUNCH_BLOCKING=1\nCompile with `TORCH_USE_", amd ? "HIP" : "CUDA",
-      "_DSA` to enable device-side assertions.\n");
+  const char* api = config().amd ? "HIP" : "CUDA";
+  TORCH_CHECK(false, api, " error: operation not permitted when stream is capturing\n", cuda_error_suffix());
 }
 
 // Whether `p` is memory of a private pool (what a graph captures into).

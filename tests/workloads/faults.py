@@ -4,6 +4,10 @@
     collect    N all_reduces over NCCL under torchrun, each rank printing its restart count
     stall      2 ranks with a 3 s NCCL timeout; rank 1 is stalled by the fault, rank 0 prints
                the error its collective ended with
+    train      2 ranks of a DDP step loop; each rank prints what its steps raised (a lost GPU's
+               rank: torch.AcceleratorError) and exits 1 on an error, as a training script does
+    survive    the same, but a rank that saw an error exits 0, so the launcher leaves its peer
+               running and the peer's own fate (NCCL's error, its watchdog) shows
 """
 
 import datetime
@@ -55,4 +59,26 @@ def stall() -> None:
     os._exit(0)
 
 
-{"oom": oom, "collect": collect, "stall": stall}[MODE]()
+def train() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    torch.cuda.set_device(rank)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 16).cuda())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        for step in range(20):
+            model(torch.randn(8, 16, device="cuda")).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.cuda.synchronize()
+    except Exception as err:
+        print(json.dumps({"rank": rank, "step": step, "error": type(err).__name__, "message": str(err)[:300]}),
+              flush=True)
+        sys.exit(0 if MODE == "survive" else 1)
+    print(json.dumps({"rank": rank, "error": None}), flush=True)
+    dist.destroy_process_group()
+
+
+{"oom": oom, "collect": collect, "stall": stall, "train": train, "survive": train}[MODE]()
