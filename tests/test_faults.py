@@ -73,6 +73,8 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_the_fault_fires_once(tmp_pat
     report = json.loads(summary.read_text())
     [fault] = report["faults"]
     assert fault["fired"] and fault["kind"] == "kill" and fault["rank"] == 1 and fault["at_s"] > 0
+    # the restart, and the downtime from the kill to the restarted workers' start
+    assert report["fault_effects"]["restarts"] == 1 and 0 < report["fault_effects"]["downtime_s"] < 60
     assert leftovers(report["session"]) == []
 
 
@@ -132,9 +134,10 @@ def test_a_rank_killed_after_a_time_ends_as_a_sigkill_does():
     # a collective on the lost GPU: NCCL cannot launch its kernels, the watchdog takes the rank down
     ("collective:5", "Process group watchdog thread terminated with exception: NCCL error: unhandled cuda error"),
 ])
-def test_a_lost_gpu_fails_its_rank_and_its_peers_see_nccls_remote_error(trigger, own_error):
+def test_a_lost_gpu_fails_its_rank_and_its_peers_see_nccls_remote_error(trigger, own_error, tmp_path):
     # 'survive': a rank that saw an error exits 0, so the launcher leaves the peer to its own fate
-    result = mirage("run", "--quiet", "--gpus-per-node", "2", "--nproc-per-node", "2",
+    summary = tmp_path / "summary.json"
+    result = mirage("run", "--gpus-per-node", "2", "--nproc-per-node", "2", "--summary-json", str(summary),
                     "--fault", f"lose-gpu:rank=1:at={trigger}", "--", "python", WORKLOAD, "survive", timeout=120)
     assert f"fault 1 injected: GPU lost on rank 1 at its {trigger.replace(':', ' ')}" in result.stderr
     rank1 = "\n".join(line for line in (result.stdout + result.stderr).splitlines() if line.startswith("[1]"))
@@ -146,6 +149,11 @@ def test_a_lost_gpu_fails_its_rank_and_its_peers_see_nccls_remote_error(trigger,
             "network error or a remote process exiting prematurely.\n[0] Last error:\n[0] proxy: connection closed by "
             "group rank 1") in result.stderr
     assert result.returncode == 134  # the peer's watchdog (SIGABRT)
+    # the summary says which rank saw which error
+    seen = [(e["rank"], e["error"]) for e in json.loads(summary.read_text())["fault_effects"]["errors"]]
+    assert seen[0] == (1, "torch.AcceleratorError: unknown error (GPU lost)")
+    assert (0, "taken down: NCCL error: remote process exited or there was a network error, NCCL version 2.26.6") in seen
+    assert "rank 0 saw at" in result.stderr and "taken down: NCCL error: remote process exited" in result.stderr
 
 
 @pytest.mark.parametrize("how", ["shrink", "new-group"])

@@ -411,6 +411,7 @@ def run_session(request: RunRequest) -> int:
             report = summary.build(service, supervisor.exit_codes, exit_code)
             if faults:
                 report["faults"] = fault_specs.fired(session_dir / "faults", faults, started)
+                report["fault_effects"] = fault_specs.effects(session_dir / "faults", report["faults"], started)
             if timing is not None:
                 report["timing"] = timing
             if not request.quiet:

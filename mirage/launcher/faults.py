@@ -238,7 +238,7 @@ def fired(folder: Path, faults: list[Fault], started: float) -> list[dict]:
     out = []
     for fault in faults:
         marker = folder / str(fault.id)
-        entry = {**asdict(fault), "fired": marker.exists()}
+        entry = {**asdict(fault), "description": fault.describe(), "fired": marker.exists()}
         if entry["fired"]:
             try:
                 seen = json.loads(marker.read_text())
@@ -247,3 +247,34 @@ def fired(folder: Path, faults: list[Fault], started: float) -> list[dict]:
                 pass
         out.append(entry)
     return out
+
+
+def effects(folder: Path, faults: list[dict], started: float) -> dict:
+    """What the faults did, from the ranks' own record (the shim's folder/observed): which rank saw
+    which error (first time each, seconds into the session), how many times torchrun restarted
+    the workers, and the downtime: from each fault to the first worker of the next attempt."""
+    errors: dict[tuple, dict] = {}
+    attempt_starts: dict[int, float] = {}
+    try:
+        lines = (folder / "observed").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        try:
+            seen = json.loads(line)
+        except ValueError:
+            continue  # a line a killed process left half-written
+        if seen["event"] == "start":
+            attempt_starts[seen["restart"]] = min(attempt_starts.get(seen["restart"], seen["time"]), seen["time"])
+        else:
+            errors.setdefault((seen["rank"], seen["detail"], seen["restart"]), {
+                "rank": seen["rank"], "restart": seen["restart"], "error": seen["detail"],
+                "at_s": round(seen["time"] - started, 3)})
+    fired_at = sorted(started + f["at_s"] for f in faults if f.get("at_s") is not None)
+    downtime = 0.0
+    for attempt, first_start in attempt_starts.items():
+        before = [t for t in fired_at if t < first_start]
+        if attempt > 0 and before:
+            downtime += first_start - before[-1]
+    return {"errors": sorted(errors.values(), key=lambda e: (e["at_s"], e["rank"])),
+            "restarts": max(attempt_starts, default=0), "downtime_s": round(downtime, 3)}

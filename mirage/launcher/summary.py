@@ -47,8 +47,14 @@ def render(report: dict) -> str:
     for f in report.get("faults", []):
         when = f"fired at {f['at_s']:.1f} s (pid {f['pid']})" if f.get("at_s") is not None else \
             ("fired" if f["fired"] else "never fired (the workload ended first)")
-        stall = f" for {f['stall_s']:g} s" if f["kind"] == "stall" else ""
-        lines.append(f"  fault {f['id']}: {f['kind']} rank {f['rank']} at its {f['trigger']} {f['count']}{stall}: {when}")
+        lines.append(f"  fault {f['id']}: {f['description']}: {when}")
+    effects = report.get("fault_effects")
+    if effects:
+        for e in effects["errors"]:
+            attempt = f" (attempt {e['restart']})" if e["restart"] else ""
+            lines.append(f"    rank {e['rank']}{attempt} saw at {e['at_s']:.1f} s: {e['error']}")
+        if effects["restarts"]:
+            lines.append(f"    restarts: {effects['restarts']} (torchrun), downtime {effects['downtime_s']:.1f} s")
     return "\n".join(lines)
 
 

@@ -1030,6 +1030,11 @@ class ProcessGroupNCCL final : public c10d::Backend {
                           : comm_error ? log_prefix() + e.what_without_backtrace()
                                        : log_prefix() + describe_work(r) + " failed: " + e.what_without_backtrace();
     if (timed_out) dump_trace_once();
+    static const auto observed = reinterpret_cast<void (*)(const char*)>(dlsym(RTLD_DEFAULT, "mirage_fault_observed"));
+    if (observed) {  // for the summary of a session with faults: which rank saw which error
+      const std::string error = timed_out ? "watchdog timeout: " + describe_work(r) : e.what_without_backtrace();
+      observed((std::string(take_down ? "taken down: " : "") + error).c_str());
+    }
     if (take_down) {
       std::ostringstream log;
       const std::time_t now = std::time(nullptr);

@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -35,8 +36,35 @@ struct Faults {
   std::vector<Fault> mine;  // this rank's
   std::string folder;       // where fired faults leave their marker
   std::string rank;
+  bool is_rank = false;     // RANK is set: a worker (not torchrun's agent or a helper process)
+  std::string restart;      // torchrun's attempt (TORCHELASTIC_RESTART_COUNT)
   std::atomic<int64_t> ops{0}, allocs{0}, collectives{0};
 };
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// One line of the session's record of what the ranks went through (folder/observed), which the
+// summary reads: a worker starting (event "start", with its torchrun attempt) or an error it saw.
+// One write with O_APPEND, so lines of several processes never interleave.
+void observe(const Faults& f, const char* event, const std::string& detail) {
+  if (f.folder.empty() || !f.is_rank) return;
+  std::string clean = detail.substr(0, detail.find('\n'));
+  for (char& c : clean) {
+    if (c == '"' || c == '\\' || static_cast<unsigned char>(c) < 0x20) c = '\'';
+  }
+  char line[768];
+  const int n = std::snprintf(line, sizeof line,
+                              "{\"event\": \"%s\", \"rank\": %s, \"restart\": %s, \"pid\": %d, \"time\": %.6f, "
+                              "\"detail\": \"%.400s\"}\n",
+                              event, f.rank.c_str(), f.restart.c_str(), static_cast<int>(::getpid()), now_seconds(),
+                              clean.c_str());
+  const int fd = ::open((f.folder + "/observed").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
+  if (fd < 0 || n <= 0) return;
+  (void)!::write(fd, line, static_cast<size_t>(std::min<int>(n, sizeof line - 1)));
+  ::close(fd);
+}
 
 // MIRAGE_FAULTS: "rank:id,kind,trigger,count,stall_ms;..." (the launcher's encoding).
 Faults& faults() {
@@ -47,6 +75,9 @@ Faults& faults() {
     const char* runtime = std::getenv("MIRAGE_RUNTIME");
     if (!spec || !runtime) return out;
     out->rank = rank ? rank : "0";
+    out->is_rank = rank != nullptr;
+    const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
+    out->restart = restart && *restart ? restart : "0";
     out->folder = std::string(runtime) + "/faults";
     std::stringstream entries(spec);
     std::string entry;
@@ -68,6 +99,7 @@ Faults& faults() {
       if (fault.trigger == "alloc") g_fault_allocs = true;
       out->mine.push_back(fault);
     }
+    observe(*out, "start", "");
     return out;
   }();
   return *f;
@@ -80,7 +112,7 @@ bool claim(const Fault& fault, const char* what) {
   const std::string marker = f.folder + "/" + std::to_string(fault.id);
   const int fd = ::open(marker.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600);
   if (fd < 0) return false;
-  const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  const double now = now_seconds();
   char line[512];
   const int n = std::snprintf(line, sizeof line,
                               "{\"id\": %d, \"kind\": \"%s\", \"rank\": %s, \"trigger\": \"%s\", \"count\": %lld, "
@@ -110,6 +142,7 @@ const Fault* due(const char* trigger, int64_t count) {
 // A lose-gpu fault: from now on the process's device work raises (the hot paths' flags make
 // the op path and the allocator look), as after a GPU fell off the bus (Xid 79).
 void lose_device() {
+  observe(faults(), "error", "torch.AcceleratorError: unknown error (GPU lost)");
   g_device_lost = true;
   g_fault_ops = true;
   g_fault_allocs = true;
@@ -144,7 +177,10 @@ void fault_at_alloc(c10::DeviceIndex dev, size_t nbytes, void (*raise_oom)(c10::
   const Fault* fault = due("alloc", ++faults().allocs);
   if (!fault) return;
   if (fault->kind == "kill" && claim(*fault, "SIGKILL")) kill_self();
-  if (fault->kind == "oom" && claim(*fault, "out of memory")) raise_oom(dev, static_cast<int64_t>(nbytes));
+  if (fault->kind == "oom" && claim(*fault, "out of memory")) {
+    observe(faults(), "error", "torch.OutOfMemoryError");
+    raise_oom(dev, static_cast<int64_t>(nbytes));
+  }
   if (fault->kind == "lose-gpu" && claim(*fault, "GPU lost")) {
     lose_device();
     check_device_not_lost();
@@ -163,6 +199,8 @@ extern "C" int64_t mirage_fault_at_collective() {
   if (fault->kind == "lose-gpu" && claim(*fault, "GPU lost")) lose_device();  // the backend sees it
   return 0;
 }
+
+extern "C" void mirage_fault_observed(const char* error) { mirage::observe(mirage::faults(), "error", error); }
 
 extern "C" bool mirage_device_lost() { return mirage::g_device_lost.load(std::memory_order_relaxed); }
 

@@ -37,4 +37,7 @@ extern "C" {
 int64_t mirage_fault_at_collective();
 // Whether a lose-gpu fault took this process's GPU.
 bool mirage_device_lost();
+// Records, for the session summary, an error this rank saw (the emulated NCCL's failures); a
+// no-op outside a session with faults.
+void mirage_fault_observed(const char* error);
 }
