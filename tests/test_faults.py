@@ -178,3 +178,21 @@ def test_shrinking_a_group_is_refused_on_amd_profiles_as_rccl_lacks_it():
     amd = mirage("run", "--quiet", "--", "python", "-c", script)
     nvidia = mirage("run", "--quiet", "--profile", "h100", "--", "python", "-c", script)
     assert (amd.stdout.split(), nvidia.stdout.split()) == (["nccl", "False"], ["nccl", "True"]), amd.stderr + nvidia.stderr
+
+
+def test_a_job_that_checkpoints_resumes_after_a_killed_rank_and_its_loss_curve_continues(tmp_path):
+    def losses(folder: Path, *fault: str) -> list[dict]:
+        folder.mkdir()
+        result = mirage("run", "--quiet", "--gpus-per-node", "2", *fault, "--", "torchrun", "--standalone",
+                        "--nproc_per_node=2", "--max-restarts=1", "tests/workloads/resume.py", str(folder), timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return [json.loads(text) for text in re.findall(r'\{"step"[^{}]*\}', result.stdout)]
+
+    unfaulted = losses(tmp_path / "unfaulted")
+    faulted = losses(tmp_path / "faulted", "--fault", "kill:rank=1:at=collective:30")
+    assert [line["step"] for line in unfaulted] == list(range(12))
+    resumed = [line for line in faulted if line["restart"] == 1]
+    # the second attempt started from a checkpoint (not from step 0) and finished the run ...
+    assert 0 < resumed[0]["step"] and resumed[-1]["step"] == 11
+    # ... and every step's loss, before the kill and after the resume, is the unfaulted run's, bit for bit
+    assert {(line["step"], line["loss"]) for line in faulted} == {(line["step"], line["loss"]) for line in unfaulted}
