@@ -40,7 +40,7 @@ def session_of(proc: subprocess.Popen) -> str:
 
 
 def leftovers(session: str) -> list:
-    found = [p for p in SHM.glob(f"mirage-*-{session}*")]  # the table and any collectives segment
+    found = [p for p in SHM.glob(f"mirage-*-{session}*")]  # any collectives segment (the table is a memfd)
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
@@ -190,27 +190,37 @@ def test_ranks_fail_fast_when_the_daemon_dies():
     alive = [pid for pid in workers if Path(f"/proc/{pid}").exists()
              and "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]]
     assert alive == [], "ranks outlived their daemon"
-    # what a rank killed while its group set up its shared-memory collectives would leave
-    segment = SHM / f"mirage-{os.getuid()}-{session}.collectives-42"
-    segment.write_bytes(b"\0" * 4096)
-    dry = mirage("cleanup", "--dry-run")
-    assert f"would remove /dev/shm/mirage-{os.getuid()}-{session}\n" in dry.stdout
-    assert f"would remove {segment}" in dry.stdout
-    mirage("cleanup")
-    assert leftovers(session) == []
 
 
-def test_any_mirage_command_reaps_what_a_sigkilled_run_left():
+def test_any_mirage_command_reaps_what_a_run_killed_with_its_reaper_left():
+    """A run's reaper removes what its SIGKILLed run left (tests/test_mirage_killed.py); should
+    the reaper be killed too, any mirage command does."""
     script = "import time, torch\nprint('attached', flush=True)\ntime.sleep(60)\n"
     proc = start("--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", "-c", script)
     session = session_of(proc)
     assert proc.stdout.readline().endswith("attached\n") and proc.stdout.readline().endswith("attached\n")
+    reapers = [int(e.name) for e in Path("/proc").iterdir()
+               if e.name.isdigit() and b"reap_after_run" in _cmdline(e) and session.encode() in _cmdline(e)]
+    assert len(reapers) == 1
+    os.kill(reapers[0], signal.SIGKILL)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert any(isinstance(p, Path) for p in leftovers(session))  # the table outlived its run
+    # what a rank killed while its group set up its shared-memory collectives would leave
+    segment = SHM / f"mirage-{os.getuid()}-{session}.collectives-42"
+    segment.write_bytes(b"\0" * 4096)
+    directory = launcher.runtime_root() / session
+    dry = mirage("cleanup", "--dry-run")
+    assert f"would remove {directory}\n" in dry.stdout and f"would remove {segment}\n" in dry.stdout
     assert mirage("ps").returncode == 0  # no `mirage cleanup`: any command reaps a dead session
     assert leftovers(session) == []
-    assert not (launcher.runtime_root() / session).exists()
+    assert not directory.exists()
+
+
+def _cmdline(entry: Path) -> bytes:
+    try:
+        return (entry / "cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def test_cleanup_leaves_a_live_in_process_run_alone():

@@ -78,8 +78,8 @@ class SessionService:
         return {"MIRAGE_SHM": str(self._table.path), "MIRAGE_SOCKET": str(self.socket_path)}
 
     def start(self) -> None:
-        self._table = shared_table.SharedTable.create(
-            shared_table.shm_path(self.session_id), self.num_nodes, self.gpus_per_node, self.capacity)
+        self._table = shared_table.SharedTable.create(self.session_id, self.num_nodes, self.gpus_per_node,
+                                                      self.capacity)
         service = self
 
         class Handler(socketserver.StreamRequestHandler):
@@ -93,7 +93,7 @@ class SessionService:
         threading.Thread(target=self._reap_dead, name="mirage-reaper", daemon=True).start()
 
     def stop(self) -> None:
-        """Closes the socket and removes the shared table (after recording the peaks)."""
+        """Closes the socket and the shared table (after recording the peaks)."""
         self._stopping.set()
         if self._server is not None:
             self._server.shutdown()
@@ -102,7 +102,7 @@ class SessionService:
         if self._table is not None:
             self.peaks = {(n, g): self._table.gpu_usage(n, g)[1]
                           for n in range(self.num_nodes) for g in range(self.gpus_per_node)}
-            self._table.close(remove=True)
+            self._table.close()
             self._table = None
 
     def wait_for_leases(self, narrate: Callable[[str], None]) -> None:

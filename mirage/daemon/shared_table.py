@@ -1,4 +1,8 @@
-"""The session's shared device-memory table: one file in /dev/shm that every process maps.
+"""The session's shared device-memory table: one memfd that every process maps.
+
+The run process holds the memfd and hands out `/proc/<run pid>/fd/<n>` (MIRAGE_SHM), which a
+workload process opens at boot. It has no name in /dev/shm, so it goes when the last process
+that maps it does: a run killed with SIGKILL (or by the OOM killer) leaves no table behind.
 
 Each process claims a slot and adds to it alone (atomic adds in the device shim: no round
 trip to the service); a GPU's use is the sum over the slots on its node. The service reads
@@ -14,6 +18,7 @@ Layout, all little-endian int64 (mirage/shim/session_table.h's SharedTable mirro
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import struct
@@ -29,9 +34,11 @@ SHM_DIR = Path("/dev/shm")
 PREFIX = "mirage-"
 
 
-def shm_path(session_id: str) -> Path:
-    """The table's path for a session (the owner's uid keeps users apart)."""
-    return SHM_DIR / f"{PREFIX}{os.getuid()}-{session_id}"
+def segments(session_id: str) -> list[Path]:
+    """The session's named /dev/shm segments that remain: collective segments a rank left by dying
+    before every peer mapped them (mirage/nccl/shm_transport.cpp) and CUDA IPC segments
+    (mirage/shim/cuda_ipc.cpp), all named after the session (the owner's uid keeps users apart)."""
+    return sorted(SHM_DIR.glob(f"{PREFIX}{os.getuid()}-{session_id}.*"))
 
 
 @dataclass
@@ -43,24 +50,29 @@ class SlotView:
 
 
 class SharedTable:
-    """A mapped table; the creator (the run process) also removes it."""
+    """A mapped table; the creator (the run process) also holds the memfd others open."""
 
-    def __init__(self, path: Path, words: mmap.mmap, num_nodes: int, gpus_per_node: int) -> None:
-        self.path, self._map = path, words
+    def __init__(self, path: Path, words: mmap.mmap, num_nodes: int, gpus_per_node: int,
+                 fd: int | None = None) -> None:
+        self.path, self._map, self._fd = path, words, fd
         self.num_nodes, self.gpus_per_node = num_nodes, gpus_per_node
 
     @classmethod
-    def create(cls, path: Path, num_nodes: int, gpus_per_node: int, capacity: int) -> "SharedTable":
+    def create(cls, session_id: str, num_nodes: int, gpus_per_node: int, capacity: int) -> "SharedTable":
+        """A new table in a memfd of this process, opened by others through its /proc path. Its
+        size is sealed: a table shrunk under them would crash every process that maps it."""
         num_gpus = num_nodes * gpus_per_node
         words = HEADER_WORDS + num_gpus + MAX_SLOTS * (SLOT_HEAD_WORDS + gpus_per_node) + num_gpus
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.memfd_create(f"{PREFIX}{os.getuid()}-{session_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, words * 8)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             mapped = mmap.mmap(fd, words * 8)
-        finally:
+        except OSError:
             os.close(fd)
+            raise
         struct.pack_into("<8q", mapped, 0, MAGIC, VERSION, num_nodes, gpus_per_node, MAX_SLOTS, capacity, 0, 0)
-        return cls(path, mapped, num_nodes, gpus_per_node)
+        return cls(Path(f"/proc/{os.getpid()}/fd/{fd}"), mapped, num_nodes, gpus_per_node, fd)
 
     @classmethod
     def open(cls, path: Path) -> "SharedTable":
@@ -110,11 +122,10 @@ class SharedTable:
             self._set(base + SLOT_HEAD_WORDS + gpu, 0)
         self._set(base, 0)
 
-    def close(self, remove: bool = False) -> None:
+    def close(self) -> None:
+        """Unmaps the table; the creator also closes its memfd, after which no process can open
+        it anew (those that map it keep it until they exit)."""
         self._map.close()
-        if remove:
-            self.path.unlink(missing_ok=True)
-            # Collective segments (mirage/nccl/shm_transport.cpp) are unlinked once mapped; one
-            # remains only if a rank died while its group was setting up.
-            for segment in self.path.parent.glob(self.path.name + ".*"):
-                segment.unlink(missing_ok=True)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

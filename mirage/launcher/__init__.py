@@ -29,7 +29,7 @@ from mirage.daemon import shared_table
 from mirage.daemon.flight_recorder import FlightRecorder
 from mirage.daemon.service import SessionService
 from mirage.launcher import faults as fault_specs, summary, timing_report
-from mirage.launcher.supervisor import Supervisor, stdin_has_input, write_or_discard
+from mirage.launcher.supervisor import Supervisor, start_reaper, stdin_has_input, write_or_discard
 from mirage.runtime import visible_devices
 from mirage.shim import build as shim_build
 
@@ -287,9 +287,10 @@ def run_session(request: RunRequest) -> int:
     """Runs the request as one session; returns the exit code for the shell."""
     profile, gpus = validate(request)
     session_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+    session_dir = runtime_root() / session_id
+    start_reaper(session_dir)  # before arm_signals makes this process a subreaper
     supervisor = Supervisor(session_id, narrate)
     supervisor.arm_signals()
-    session_dir = runtime_root() / session_id
     session_dir.mkdir(mode=0o700)
     record_run(session_dir)
     service: SessionService | None = None
@@ -421,5 +422,5 @@ def run_session(request: RunRequest) -> int:
         shutil.rmtree(session_dir, ignore_errors=True)
         # Communicator segments a rank left mapped-by-one-side only (it died, or its peer never
         # came): gone with the session, with or without a service (--in-process).
-        for segment in shared_table.SHM_DIR.glob(shared_table.shm_path(session_id).name + ".*"):
+        for segment in shared_table.segments(session_id):
             segment.unlink(missing_ok=True)

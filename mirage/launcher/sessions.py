@@ -1,11 +1,14 @@
-"""Commands that act on sessions from outside: ps, smi, exec, cleanup, paths.
+"""Commands that act on sessions from outside: ps, smi, exec, cleanup, paths; and the reaper.
 
 A session is found by its socket (`<runtime root>/<session id>/mirage.sock`): one that answers
-a status request is live. A session directory whose socket does not answer AND whose `mirage run`
-process (named in its run.pid) is gone was left by a run that was SIGKILLed: that is what
-`mirage cleanup` reclaims (its stranded processes, found by the MIRAGE_SESSION in their
-environment, its shared-memory table, its directory). The run's pid keeps an `--in-process`
-session (no service) and a service too busy to answer in time from being taken for dead.
+a status request is live. A run that dies without its teardown (SIGKILL, the OOM killer) is
+followed by its reaper (reap_after_run), which removes what the session left once its processes
+are gone. Should the reaper die too, a session directory whose socket does not answer AND whose
+`mirage run` process (named in its run.pid) is gone is what `mirage cleanup`, and every mirage
+command before it does anything else, reclaims (its stranded processes, found by the
+MIRAGE_SESSION in their environment, its /dev/shm segments, its directory). The run's pid keeps
+an `--in-process` session (no service) and a service too busy to answer in time from being taken
+for dead.
 """
 
 from __future__ import annotations
@@ -151,10 +154,40 @@ def stale_sessions() -> list[Path]:
     return stale
 
 
+REAPER_GRACE_SECONDS = 2.0  # for the session's processes to exit on their own ("mirage daemon died")
+REAPER_KILL_SECONDS = 10.0  # for those it killed to be gone
+
+
+def reap_after_run(session_dir: Path) -> None:
+    """The session's reaper (supervisor.start_reaper): waits for the run process to end (the end
+    of its pipe, on stdin), then for the session's processes, killing those still there after a
+    grace period (ranks leave at once when the service dies; a process that never attached
+    would not), and only then removes the session's directory and /dev/shm segments, when no
+    process is left to write them. After a run that tore down itself, nothing is left to find."""
+    while os.read(0, 4096):
+        pass
+    session_id = session_dir.name
+    grace = time.monotonic() + REAPER_GRACE_SECONDS
+    while session_processes(session_id) and time.monotonic() < grace:
+        time.sleep(0.1)
+    deadline = time.monotonic() + REAPER_KILL_SECONDS
+    while (stranded := session_processes(session_id)) and time.monotonic() < deadline:
+        for pid in stranded:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+    shutil.rmtree(session_dir, ignore_errors=True)
+    for segment in shared_table.segments(session_id):
+        segment.unlink(missing_ok=True)
+
+
 def _reclaimable() -> list[tuple[str, object]]:
-    """What runs that died (SIGKILL, the OOM killer) left: their processes, session folders and
-    /dev/shm segments. A session counts as alive while its `mirage run` process is (the run's
-    pid and start time), so an --in-process session, which has no service, is never touched."""
+    """What runs that died (SIGKILL, the OOM killer) and whose reaper died too left: their
+    processes, session folders and /dev/shm segments. A session counts as alive while its
+    `mirage run` process is (the run's pid and start time), so an --in-process session, which
+    has no service, is never touched."""
     actions: list[tuple[str, object]] = []
     stale_ids = {d.name for d in stale_sessions()}
     for session_id in sorted(stale_ids):
@@ -162,11 +195,12 @@ def _reclaimable() -> list[tuple[str, object]]:
             actions.append((f"kill process {pid} (session {session_id})", lambda pid=pid: os.kill(pid, signal.SIGKILL)))
         directory = runtime_root() / session_id
         actions.append((f"remove {directory}", lambda d=directory: shutil.rmtree(d, ignore_errors=True)))
-    for table in sorted(shared_table.SHM_DIR.glob(f"{shared_table.PREFIX}{os.getuid()}-*")):
-        session_id = table.name.split("-", 2)[2].split(".", 1)[0]  # the table, or <table>.collectives-<id>
+    for segment in sorted(shared_table.SHM_DIR.glob(f"{shared_table.PREFIX}{os.getuid()}-*")):
+        # mirage-<uid>-<session>.collectives-<id> (or .ipc-...; the table of an older mirage)
+        session_id = segment.name.split("-", 2)[2].split(".", 1)[0]
         directory = runtime_root() / session_id
         if session_id in stale_ids or not directory.is_dir() or not _run_alive(directory):
-            actions.append((f"remove {table}", lambda t=table: t.unlink(missing_ok=True)))
+            actions.append((f"remove {segment}", lambda t=segment: t.unlink(missing_ok=True)))
     return actions
 
 

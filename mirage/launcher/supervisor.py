@@ -229,6 +229,32 @@ def session_processes(session_id: str) -> list[int]:
     return found
 
 
+REAPER = ("import sys; from pathlib import Path; from mirage.launcher.sessions import reap_after_run; "
+          "reap_after_run(Path(sys.argv[1]))")
+
+
+def start_reaper(session_dir: Path) -> None:
+    """Starts the session's reaper (sessions.reap_after_run), which removes what the session left
+    if this process dies without its teardown (SIGKILL, the OOM killer).
+
+    It reads a pipe whose only writer is this process, so the pipe's end tells it this process is
+    gone, however it ended. Called before this process becomes a subreaper: a middle process that
+    exits at once hands the reaper to init, so teardown, collecting its orphans, never waits on
+    it. It leads a session of its own (the terminal's signals do not reach it), holds none of our
+    files but the pipe (a reader of our output still sees its end), and carries no MIRAGE_SESSION
+    (teardown's search for stragglers passes it by)."""
+    read_end, _write_end = os.pipe()  # the write end stays open, never written, until we end
+    middle = os.fork()
+    if middle == 0:
+        try:
+            subprocess.Popen([sys.executable, "-c", REAPER, str(session_dir)], stdin=read_end,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            os._exit(0)
+    os.close(read_end)
+    os.waitpid(middle, 0)
+
+
 def _reap_adopted(timeout: float = 2.0) -> None:
     """Collects the killed orphans re-parented to us as subreaper, so none stays a zombie."""
     deadline = time.monotonic() + timeout

@@ -39,7 +39,7 @@ static void attach_shared_table() {
   const char* path = std::getenv("MIRAGE_SHM");
   if (!path || !*path) return;
   int fd = open(path, O_RDWR);
-  if (fd < 0) return;  // the session is gone: keep private counters
+  if (fd < 0) return;  // the run process is gone: keep private counters
   struct stat st {};
   fstat(fd, &st);
   void* base = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);

@@ -1,8 +1,9 @@
 // The session's shared table: with a session service, every process on an emulated GPU draws on
-// one capacity and one busy time. The run process creates a table in /dev/shm (MIRAGE_SHM; layout
-// in mirage/daemon/shared_table.py) that every process maps; each process adds to its own slot
-// (no round trip to the service, no writer but the owner); a GPU's use is the sum over the slots
-// on its node.
+// one capacity and one busy time. The run process holds the table in a memfd that every process
+// maps, opened at boot through /proc/<run pid>/fd/<n> (MIRAGE_SHM; layout in
+// mirage/daemon/shared_table.py): no name in /dev/shm, so it goes with the last process mapping
+// it. Each process adds to its own slot (no round trip to the service, no writer but the owner);
+// a GPU's use is the sum over the slots on its node.
 #pragma once
 
 #include "config.h"

@@ -1,0 +1,113 @@
+"""mirage itself killed (issue 20, item 6): a `mirage run` that dies by SIGKILL, as to the OOM
+killer, leaves nothing once its session's processes have ended, with no mirage command after it."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from mirage import launcher
+
+SEED = 20
+DRAIN_SECONDS = 20  # the ranks stop at once; the reaper kills what did not after 2 s
+COMMAND = ["--gpus-per-node", "2", "--env", "STEPS=1000000", "--env", "NCCL_DEBUG=INFO", "--",
+           "torchrun", "--standalone", "--nproc_per_node=2", "tests/fixtures/ml/ddp_mlp.py"]
+TRAINING = "Init COMPLETE"  # each rank's NCCL_DEBUG=INFO line; DDP's broadcast and steps follow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shim_built():
+    """A shim built beforehand, so no kill lands in (or waits for) a first-run build."""
+    launcher.ensure_shim()
+
+
+def moments(rng: random.Random) -> list[tuple[str, float]]:
+    """(from, seconds): kills spread over mirage's start, the session's and torchrun's start-up,
+    and training (timed from the ranks' communicator, since start-up's length varies with load)."""
+    return [("start", rng.uniform(0.2, 0.4)), ("start", rng.uniform(0.6, 2.0)), ("start", rng.uniform(2.0, 4.0)),
+            ("training", rng.uniform(0.1, 1.0)), ("training", rng.uniform(1.0, 3.0))]
+
+
+def session_pids(session: str) -> list[int]:
+    """Live processes of the session (MIRAGE_SESSION in their environment) and its reaper (the
+    session in its command line)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if (f"MIRAGE_SESSION={session}".encode() in (entry / "environ").read_bytes().split(b"\0")
+                        or session.encode() in (entry / "cmdline").read_bytes()):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def run_of(directory: Path) -> str | None:
+    """The pid in a session folder's run.pid (None once the folder is going)."""
+    try:
+        return (directory / launcher.RUN_PID_NAME).read_text().split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def leftovers(session: str | None, run_pid: int) -> list:
+    """What the killed run's session left: processes, /dev/shm entries, its folder (found by name
+    or, for a run killed before it announced its session, by the run.pid naming it)."""
+    root = launcher.runtime_root()
+    found: list = [d for d in root.iterdir() if run_of(d) == str(run_pid) or d.name == session]
+    if session:
+        found += session_pids(session) + list(Path("/dev/shm").glob(f"mirage-{os.getuid()}-{session}*"))
+    return found
+
+
+def test_sigkill_of_mirage_run_at_random_moments_leaves_nothing():
+    rng = random.Random(SEED)
+    report = []
+    for start_from, delay in moments(rng):
+        proc = subprocess.Popen([sys.executable, "-m", "mirage", "run", *COMMAND], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        started = time.monotonic()
+        lines: list[str] = []
+        training = threading.Event()
+
+        def read(out=proc.stdout, lines=lines, training=training) -> None:
+            for line in out:
+                lines.append(line)
+                if sum(TRAINING in seen for seen in lines) == 2:
+                    training.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            if start_from == "training":
+                assert training.wait(120), "the ranks never formed their communicator:\n" + "".join(lines[-30:])
+            time.sleep(max(0.0, delay - (time.monotonic() - started)) if start_from == "start" else delay)
+            session = next((line.split()[2] for line in lines if line.startswith("mirage: session ")), None)
+            at_kill = len(session_pids(session)) if session else 0
+            phase = "training" if training.is_set() else "start-up"
+            killed_at = time.monotonic() - started
+            proc.send_signal(signal.SIGKILL)
+            assert proc.wait() == -signal.SIGKILL
+            deadline = time.monotonic() + DRAIN_SECONDS
+            while (left := leftovers(session, proc.pid)) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            drained = time.monotonic() - started - killed_at
+        finally:
+            if proc.poll() is None:  # a failed round: its run is still up
+                proc.kill()
+                proc.wait()
+        reader.join(timeout=5)
+        report.append(f"killed at {killed_at:5.2f} s ({start_from} + {delay:.2f} s, "
+                      f"{phase}, {at_kill} processes with its reaper): "
+                      f"{len(left)} leftovers after {drained:.2f} s")
+        print(report[-1])
+        assert left == [], f"{report[-1]}: {left}\n" + "".join(lines[-20:])
+    assert sum("training," in line for line in report) >= 2 and sum("start-up," in line for line in report) >= 2
