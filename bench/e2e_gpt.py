@@ -6,8 +6,14 @@ published runs configure it (bench/validate.py's end-to-end cases run this under
 
 A nanoGPT-shaped transformer (pre-LayerNorm blocks, causal scaled_dot_product_attention, GELU
 MLP of 4x, tied embeddings; MPT's shapes with --dim/--layers/--heads/--vocab), bf16 autocast,
-AdamW, DDP over NCCL or (--fsdp) FSDP2 as llm-foundry's MPT runs shard. Prints one JSON line from rank 0:
-the median step time its own CUDA events measured and the tokens per second per GPU.
+AdamW, DDP over NCCL or (--fsdp) FSDP2 as llm-foundry's MPT runs shard, with Composer's mixed
+precision modes (--mp DEFAULT: bf16 parameters, fp32 gradient reductions, as llm-foundry's
+benchmarking table ran; PURE: bf16 both). Prints one JSON line from rank 0: the median step time
+its own CUDA events measured and the tokens per second per GPU.
+
+No --compile: under `--predict-only` a torch.compile'd graph still runs inductor's host kernels
+(mirage/runtime/inductor.py, HostCompiledGraph), so a compiled step of these sizes cannot be
+predicted in minutes on a few cores; the cases are eager PyTorch.
 """
 
 from __future__ import annotations
@@ -68,8 +74,11 @@ def main() -> None:
     ap.add_argument("--accumulate", type=int, default=1, help="micro-steps per optimizer step")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--fsdp", action="store_true",
-                    help="FSDP2 FULL_SHARD per block, bf16 parameters and reductions (MPT's 'PURE'), "
-                         "initialised on the meta device as llm-foundry does; default DDP")
+                    help="FSDP2 FULL_SHARD per block, initialised on the meta device as llm-foundry does; "
+                         "default DDP")
+    ap.add_argument("--mp", choices=("DEFAULT", "PURE"), default="DEFAULT",
+                    help="with --fsdp, Composer's mixed precision: DEFAULT = bf16 parameters, fp32 "
+                         "reductions; PURE = bf16 parameters and reductions")
     args = ap.parse_args()
     dist.init_process_group("nccl")
     rank = dist.get_rank()
@@ -79,7 +88,8 @@ def main() -> None:
 
         with torch.device("meta"):
             model = GPT(args.layers, args.dim, args.heads, args.vocab, args.seq)
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        reduce_dtype = torch.float32 if args.mp == "DEFAULT" else torch.bfloat16
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
         for block in model.blocks:
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
