@@ -31,6 +31,7 @@ def leftovers(session: str) -> list[str]:
     ("kill-node:node=2:at=after:3s", "node 2 is out of range: this session has 1 node(s)"),
     ("kill-node:node=0:at=collective:3", "a fault of kind kill-node fires at=after"),
     ("kill:rank=0:at=after", "at=after needs a time"),
+    ("slow-gpu:rank=0:factor=2", "slow-gpu slows the predicted timeline: it needs clocked mode (add --timing)"),
 ])
 def test_a_fault_that_cannot_work_is_refused_before_the_workload_starts(spec, why):
     result = mirage("run", "--gpus-per-node", "2", "--fault", spec, "--", "python", "-c", "print('ran')")
@@ -196,3 +197,46 @@ def test_a_job_that_checkpoints_resumes_after_a_killed_rank_and_its_loss_curve_c
     assert 0 < resumed[0]["step"] and resumed[-1]["step"] == 11
     # ... and every step's loss, before the kill and after the resume, is the unfaulted run's, bit for bit
     assert {(line["step"], line["loss"]) for line in faulted} == {(line["step"], line["loss"]) for line in unfaulted}
+
+
+@pytest.mark.parametrize("spec, why", [
+    ("slow-gpu:rank=0", "say how many times slower, e.g. :factor=2"),
+    ("slow-gpu:rank=0:factor=0.5", "factor=0.5 slows nothing; it must be more than 1"),
+    ("slow-link:nodes=0-0:factor=2", "nodes=0-0 is not a link between two of this session's 1 node(s)"),
+    ("slow-gpu:rank=0:factor=2:at=op:3", "a slow-gpu fault lasts the whole run; leave out at="),
+    ("kill:rank=0:at=op:3:factor=2", "factor= and nodes= apply to slow-gpu / slow-link faults only"),
+])
+def test_a_slowdown_that_cannot_work_is_refused_before_the_workload_starts(spec, why):
+    result = mirage("run", "--timing", "--gpus-per-node", "2", "--fault", spec, "--", "python", "-c", "print('ran')")
+    assert result.returncode == 2 and why in result.stderr and "ran" not in result.stdout
+
+
+def test_a_straggler_gpu_runs_its_kernels_slower_on_the_predicted_timeline():
+    def gemm_ms(*fault: str) -> dict:
+        result = mirage("run", "--quiet", "--timing", "--profile", "h100", *fault, "--",
+                        "python", "tests/workloads/clocked.py", "gemm")
+        assert result.returncode == 0, result.stderr[-2000:]
+        return json.loads(result.stdout.splitlines()[-1])
+
+    base, slow = gemm_ms(), gemm_ms("--fault", "slow-gpu:rank=0:factor=2.5")
+    assert slow["gemm_ms"] == pytest.approx(2.5 * base["gemm_ms"], rel=1e-3)
+    assert slow["mul_ms"] == pytest.approx(2.5 * base["mul_ms"], rel=1e-3)
+
+
+def test_a_slow_link_between_two_nodes_slows_the_collectives_that_cross_it(tmp_path):
+    def all_reduce_ms(*fault: str) -> float:
+        trace = tmp_path / f"trace{len(fault)}.json"
+        result = mirage("run", "--timing", "--trace", str(trace), "--profile", "h100", "--num-nodes", "2",
+                        "--gpus-per-node", "1", *fault, "--", "python", "tests/workloads/clocked.py", "allreduce")
+        assert result.returncode == 0, result.stderr[-2000:]
+        [ms] = {json.loads(line.split("] ", 1)[1])["all_reduce_ms"] for line in result.stdout.splitlines() if "{" in line}
+        # the trace shows it too: the all_reduce's slice lasts what the program's events measured
+        slices = [e["dur"] / 1e3 for e in json.loads(trace.read_text())["traceEvents"]
+                  if e.get("ph") == "X" and "all_reduce" in e.get("name", "")]
+        assert max(slices) == pytest.approx(ms, rel=1e-3)
+        return ms
+
+    base = all_reduce_ms()
+    slow = all_reduce_ms("--fault", "slow-link:nodes=0-1:factor=4")
+    # 64 MiB between two nodes is bound by the link: its transfer time grows 4x (less the fixed latency)
+    assert 3.5 * base < slow < 4 * base

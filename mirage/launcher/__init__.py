@@ -142,7 +142,7 @@ def validate(request: RunRequest) -> tuple[profiles.Profile, int]:
         check_output_path("--summary-json", request.summary_json, "summary.json")
     try:
         fault_specs.load(request.faults, request.faults_file, request.seed, request.num_nodes * gpus,
-                         request.num_nodes)
+                         request.num_nodes, request.timing)
     except fault_specs.FaultError as err:
         raise UsageError(str(err)) from None
     _validate_timing(request, profile)
@@ -298,7 +298,8 @@ def run_session(request: RunRequest) -> int:
     started = time.time()
     timer: fault_specs.FaultTimer | None = None
     seed = request.seed if request.seed is not None else secrets.randbelow(2**31)
-    faults = fault_specs.load(request.faults, request.faults_file, seed, request.num_nodes * gpus, request.num_nodes)
+    faults = fault_specs.load(request.faults, request.faults_file, seed, request.num_nodes * gpus, request.num_nodes,
+                              request.timing)
     if request.seed is None and any(f.drawn for f in faults):
         narrate(f"faults at random counts drawn with seed {seed} (--seed {seed} draws the same)")
     try:
@@ -332,9 +333,10 @@ def run_session(request: RunRequest) -> int:
                 emulator["MIRAGE_TIMING_TUNING"] = str(Path(request.timing_tuning).expanduser().resolve())
         if faults:
             (session_dir / "faults").mkdir(mode=0o700)
-            emulator["MIRAGE_FAULTS"] = fault_specs.environment(faults)
+            emulator.update(fault_specs.environment(faults))
             for fault in faults:
                 narrate(f"fault {fault.id} armed: {fault.describe()}")
+            fault_specs.fire_at_start(session_dir / "faults", faults, narrate)
         user = environment.parse_assignments(request.env)
         port = free_port()
         per_node = request.nproc_per_node or 1

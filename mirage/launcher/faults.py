@@ -18,8 +18,12 @@
                                                (its torchrun agent too), as a node that reboots
     --fault kill:rank=0:at=collective:random --seed 7
                                                the count drawn from --seed (1-100)
+    --fault slow-gpu:rank=3:factor=2           clocked mode (--timing): rank 3's GPU runs its kernels
+                                               2x slower for the whole run (a straggler)
+    --fault slow-link:nodes=0-1:factor=4       clocked mode: the links between emulated nodes 0 and 1
+                                               carry 4x less (collectives spanning both pay it)
 
-A FILE holds `[[fault]]` tables with the same keys (kind, rank, at, count, for). Every spec is
+A FILE holds `[[fault]]` tables with the same keys (kind, rank, node, nodes, at, count, for, factor). Every spec is
 checked before the workload starts (exit 2, naming the fix); each fault fires once per session
 (a worker torchrun restarts does not fire it again), is logged on stderr with its rank and
 trigger, and is listed in the session summary. The work itself happens at the two choke points:
@@ -48,7 +52,10 @@ KINDS: dict[str, tuple[str, ...]] = {
     "stall": ("collective",),
     "oom": ("alloc",),
     "lose-gpu": ("op", "alloc", "collective"),
+    "slow-gpu": ("start",),
+    "slow-link": ("start",),
 }
+SLOW_KINDS = ("slow-gpu", "slow-link")  # clocked mode's: they change the predicted timeline only
 RANDOM_RANGE = (1, 100)  # at=random draws the count from here
 
 
@@ -67,8 +74,14 @@ class Fault:
     after_s: float = 0.0     # at=after: seconds into the session
     node: int = -1           # kill-node's node
     drawn: bool = False      # the count came from --seed (at=TRIGGER:random)
+    factor: float = 1.0      # slow-gpu / slow-link: how many times slower
+    link: tuple[int, int] = (-1, -1)  # slow-link's two nodes
 
     def describe(self) -> str:
+        if self.kind == "slow-link":
+            return f"slow-link between nodes {self.link[0]} and {self.link[1]}, {self.factor:g}x slower"
+        if self.kind == "slow-gpu":
+            return f"slow-gpu rank {self.rank}, {self.factor:g}x slower"
         who = f"node {self.node}" if self.kind == "kill-node" else f"rank {self.rank}"
         if self.trigger == "after":
             return f"{self.kind} {who} {self.after_s:g} s into the session"
@@ -102,14 +115,54 @@ def _target(fields: dict, key: str, limit: int, spec: str, example: str, there: 
     return value
 
 
-def _build(fields: dict, spec: str, index: int, rng: random.Random, world: int, nodes: int) -> Fault:
+def _factor(fields: dict, spec: str) -> float:
+    try:
+        factor = float(fields["factor"])
+    except KeyError:
+        raise FaultError(f"fault '{spec}': say how many times slower, e.g. :factor=2") from None
+    except ValueError:
+        raise FaultError(f"fault '{spec}': factor={fields['factor']} is not a number; e.g. factor=2") from None
+    if not factor > 1:
+        raise FaultError(f"fault '{spec}': factor={fields['factor']} slows nothing; it must be more than 1")
+    return factor
+
+
+def _build_slow(fields: dict, spec: str, index: int, world: int, nodes: int, clocked: bool) -> Fault:
+    """slow-gpu / slow-link: from the start, in clocked mode only."""
+    kind = fields["kind"]
+    if not clocked:
+        raise FaultError(f"fault '{spec}': {kind} slows the predicted timeline: it needs clocked mode (add --timing)")
+    if fields.get("at", "start") != "start":
+        raise FaultError(f"fault '{spec}': a {kind} fault lasts the whole run; leave out at= (or at=start)")
+    factor = _factor(fields, spec)
+    if kind == "slow-gpu":
+        rank = _target(fields, "rank", world, spec, "slow-gpu:rank=0:factor=2",
+                       f"this session has {world} GPU(s), ranks 0 to {world - 1}")
+        return Fault(index, kind, rank, "start", 0, factor=factor)
+    pair = str(fields.get("nodes", ""))
+    try:
+        a, b = (int(n) for n in pair.split("-"))
+    except ValueError:
+        raise FaultError(f"fault '{spec}': say which two nodes the link joins, e.g. slow-link:nodes=0-1:factor=4") from None
+    if a == b or not (0 <= a < nodes and 0 <= b < nodes):
+        raise FaultError(f"fault '{spec}': nodes={pair} is not a link between two of this session's {nodes} node(s) "
+                         f"(0 to {nodes - 1}; more with --num-nodes)")
+    return Fault(index, kind, -1, "start", 0, factor=factor, link=(min(a, b), max(a, b)))
+
+
+def _build(fields: dict, spec: str, index: int, rng: random.Random, world: int, nodes: int, clocked: bool) -> Fault:
     kind = str(fields.get("kind", ""))
     if kind not in KINDS:
         raise FaultError(f"fault '{spec}': unknown kind '{kind}'{_nearest(kind, KINDS)}; the kinds are {', '.join(KINDS)}")
-    unknown = set(fields) - {"kind", "rank", "node", "at", "count", "for"}
+    keys = ["rank", "node", "nodes", "at", "count", "for", "factor"]
+    unknown = set(fields) - {"kind", *keys}
     if unknown:
         key = sorted(unknown)[0]
-        raise FaultError(f"fault '{spec}': unknown key '{key}'{_nearest(key, ['rank', 'node', 'at', 'for'])}")
+        raise FaultError(f"fault '{spec}': unknown key '{key}'{_nearest(key, keys)}")
+    if kind in SLOW_KINDS:
+        return _build_slow(fields, spec, index, world, nodes, clocked)
+    if "factor" in fields or "nodes" in fields:
+        raise FaultError(f"fault '{spec}': factor= and nodes= apply to slow-gpu / slow-link faults only")
     rank = node = -1
     if kind == "kill-node":
         node = _target(fields, "node", nodes, spec, "kill-node:node=0:at=after:30s",
@@ -163,7 +216,8 @@ def parse_spec(spec: str) -> dict:
     return fields
 
 
-def load(specs: list[str], file: str | None, seed: int | None, world: int, nodes: int) -> list[Fault]:
+def load(specs: list[str], file: str | None, seed: int | None, world: int, nodes: int,
+         clocked: bool = False) -> list[Fault]:
     """Every fault of the request, checked; raises FaultError naming the fix."""
     rng = random.Random(seed)
     entries: list[tuple[str, dict]] = [(spec, parse_spec(spec)) for spec in specs]
@@ -178,14 +232,27 @@ def load(specs: list[str], file: str | None, seed: int | None, world: int, nodes
             raise FaultError(f"--faults {file}: no [[fault]] tables (kind, rank, at, count, for)")
         entries += [(f"{file} [[fault]] {i + 1}", {k: str(v) if k != "count" else v for k, v in t.items()})
                     for i, t in enumerate(tables)]
-    return [_build(fields, spec, i + 1, rng, world, nodes) for i, (spec, fields) in enumerate(entries)]
+    return [_build(fields, spec, i + 1, rng, world, nodes, clocked) for i, (spec, fields) in enumerate(entries)]
 
 
-def environment(faults: list[Fault]) -> str:
-    """MIRAGE_FAULTS as the shim reads it: 'rank:id,kind,trigger,count,stall_ms;...' (faults the
-    processes count themselves; at=after is the launcher's, see FaultTimer)."""
-    return ";".join(f"{f.rank}:{f.id},{f.kind},{f.trigger},{f.count},{round(f.stall_s * 1000)}"
-                    for f in faults if f.trigger != "after")
+def environment(faults: list[Fault]) -> dict[str, str]:
+    """What the processes read: MIRAGE_FAULTS, 'rank:id,kind,trigger,count,stall_ms;...', the faults
+    they count themselves (at=after is the launcher's, see FaultTimer); MIRAGE_SLOW_GPUS
+    'rank:factor,...' and MIRAGE_SLOW_LINKS 'a-b:factor,...' for clocked mode's cost model."""
+    return {
+        "MIRAGE_FAULTS": ";".join(f"{f.rank}:{f.id},{f.kind},{f.trigger},{f.count},{round(f.stall_s * 1000)}"
+                                  for f in faults if f.trigger not in ("after", "start")),
+        "MIRAGE_SLOW_GPUS": ",".join(f"{f.rank}:{f.factor}" for f in faults if f.kind == "slow-gpu"),
+        "MIRAGE_SLOW_LINKS": ",".join(f"{f.link[0]}-{f.link[1]}:{f.factor}" for f in faults if f.kind == "slow-link"),
+    }
+
+
+def fire_at_start(folder: Path, faults: list[Fault], log) -> None:
+    """The faults that hold from the start (slow-gpu, slow-link) fire as the session starts."""
+    for fault in faults:
+        if fault.trigger == "start":
+            _claim(folder, fault, os.getpid())
+            log(f"fault {fault.id} injected: {fault.describe()}, from the start")
 
 
 class FaultTimer(threading.Thread):

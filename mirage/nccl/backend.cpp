@@ -157,7 +157,8 @@ struct ShimClock {
   int64_t (*ready)(int, int64_t) = nullptr;
   int64_t (*collective)(int, int64_t, int64_t, int64_t, const char*, int64_t) = nullptr;
   void (*current_stream_waits)(int, int64_t) = nullptr;
-  int64_t (*cost_ns)(int, int64_t, int, int) = nullptr;
+  int64_t (*cost_ns)(int, int64_t, int, int, double) = nullptr;
+  double (*link_slowdown)(const int64_t*, int) = nullptr;
   bool on = false;
 
   static const ShimClock& get() {
@@ -170,8 +171,11 @@ struct ShimClock {
           dlsym(RTLD_DEFAULT, "mirage_clock_collective"));
       c.current_stream_waits = reinterpret_cast<void (*)(int, int64_t)>(
           dlsym(RTLD_DEFAULT, "mirage_clock_current_stream_waits"));
-      c.cost_ns = reinterpret_cast<int64_t (*)(int, int64_t, int, int)>(dlsym(RTLD_DEFAULT, "mirage_collective_cost_ns"));
-      c.on = c.enabled && c.new_stream && c.ready && c.collective && c.current_stream_waits && c.cost_ns && c.enabled();
+      c.cost_ns = reinterpret_cast<int64_t (*)(int, int64_t, int, int, double)>(
+          dlsym(RTLD_DEFAULT, "mirage_collective_cost_ns"));
+      c.link_slowdown = reinterpret_cast<double (*)(const int64_t*, int)>(dlsym(RTLD_DEFAULT, "mirage_link_slowdown"));
+      c.on = c.enabled && c.new_stream && c.ready && c.collective && c.current_stream_waits && c.cost_ns &&
+             c.link_slowdown && c.enabled();
       return c;
     }();
     return clock;
@@ -1161,7 +1165,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
     finished();
     if (clocked && !error) {
       const auto [kind, bus_bytes] = bus_shape(r);
-      const int64_t cost = shim_clock().cost_ns(kind, bus_bytes, size_, nodes_in_group_);
+      const int64_t cost = shim_clock().cost_ns(kind, bus_bytes, size_, nodes_in_group_, nic_slowdown_);
       const int64_t end = shim_clock().collective(barrier_device_, comm_stream(), comm_->agreed_ready_ns(), cost,
                                                   profiling, bus_bytes);
       work->set_predicted_end(barrier_device_, comm_stream(), end);
@@ -1256,20 +1260,27 @@ class ProcessGroupNCCL final : public c10d::Backend {
         if (i == device) node_gpu = std::atoi(item.c_str());
       }
     }
-    int64_t mine[2] = {static_cast<int64_t>(std::hash<std::string>{}(host ? host : "")), node_gpu};
-    std::vector<int64_t> all(2 * static_cast<size_t>(size_));
+    // Each rank's host, its GPU there, and its emulated node (for the cost of slow links).
+    int64_t mine[3] = {static_cast<int64_t>(std::hash<std::string>{}(host ? host : "")), node_gpu,
+                       env_int("MIRAGE_NODE_RANK", 0)};
+    std::vector<int64_t> all(3 * static_cast<size_t>(size_));
     std::vector<char*> to;
-    for (int r = 0; r < size_; ++r) to.push_back(reinterpret_cast<char*>(all.data() + 2 * r));
+    for (int r = 0; r < size_; ++r) to.push_back(reinterpret_cast<char*>(all.data() + 3 * r));
     Timing timing{Clock::now() + options_->timeout, options_->timeout, "the communicator's first collective"};
-    comm_->all_gather(to, reinterpret_cast<const char*>(mine), 2, at::kLong, timing);
-    std::vector<int64_t> hosts;
-    for (int r = 0; r < size_; ++r) hosts.push_back(all[2 * r]);
+    comm_->all_gather(to, reinterpret_cast<const char*>(mine), 3, at::kLong, timing);
+    std::vector<int64_t> hosts, nodes;
+    for (int r = 0; r < size_; ++r) {
+      hosts.push_back(all[3 * r]);
+      nodes.push_back(all[3 * r + 2]);
+    }
+    if (shim_clock().on) nic_slowdown_ = shim_clock().link_slowdown(nodes.data(), static_cast<int>(nodes.size()));
     host_of_rank_ = hosts;
+    node_of_rank_ = nodes;
     std::sort(hosts.begin(), hosts.end());
     nodes_in_group_ = static_cast<int>(std::unique(hosts.begin(), hosts.end()) - hosts.begin());
     for (int a = 0; a < size_; ++a) {
       for (int b = 0; b < a; ++b) {
-        if (all[2 * a] == all[2 * b] && all[2 * a + 1] == all[2 * b + 1] && (a == rank_ || b == rank_)) {
+        if (all[3 * a] == all[3 * b] && all[3 * a + 1] == all[3 * b + 1] && (a == rank_ || b == rank_)) {
           failed_ = true;
           TORCH_CHECK_WITH(DistBackendError, false, library(), " error: invalid usage (run with NCCL_DEBUG=WARN for "
               "details)\nncclInvalidUsage: This usually reflects invalid usage of NCCL library.\nLast error:\n"
@@ -1337,7 +1348,12 @@ class ProcessGroupNCCL final : public c10d::Backend {
       // header; the receive ends once both sides are there (set when the message arrives).
       p.clock_device = t.device().index();
       const bool across = static_cast<size_t>(peer) < host_of_rank_.size() && host_of_rank_[peer] != host_of_rank_[rank_];
-      p.cost_ns = shim_clock().cost_ns(9, nbytes(t), 2, across ? 2 : 1);
+      double slowdown = 1.0;  // a slow link between the two ranks' nodes (--fault slow-link)
+      if (across && static_cast<size_t>(peer) < node_of_rank_.size()) {
+        const int64_t pair[2] = {node_of_rank_[rank_], node_of_rank_[peer]};
+        slowdown = shim_clock().link_slowdown(pair, 2);
+      }
+      p.cost_ns = shim_clock().cost_ns(9, nbytes(t), 2, across ? 2 : 1, slowdown);
       p.ready_ns = shim_clock().ready(p.clock_device, p2p_stream(peer));
       if (sending) {
         p.transfer.clock = p.ready_ns;
@@ -1449,7 +1465,9 @@ class ProcessGroupNCCL final : public c10d::Backend {
   int shrinks_ = 0;  // this communicator's shrinks so far (each forms under a key of its own)
   bool gpus_checked_ = false;
   int nodes_in_group_ = 1;               // emulated nodes the group spans (from the first collective)
+  double nic_slowdown_ = 1.0;            // --fault slow-link between two of them (clocked mode)
   std::vector<int64_t> host_of_rank_;    // each rank's node (its NCCL_HOSTID's hash)
+  std::vector<int64_t> node_of_rank_;    // each rank's emulated node (MIRAGE_NODE_RANK)
   int64_t comm_stream_ = -1;             // clocked mode: the communicator's stream
   std::mutex p2p_streams_mu_;
   std::map<int, int64_t> p2p_streams_;   // clocked mode: a stream per point-to-point peer

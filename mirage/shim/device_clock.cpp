@@ -123,7 +123,9 @@ int64_t run_on_stream(DeviceIndex dev, c10::StreamId stream, int64_t cost_ns, Wo
   std::lock_guard<std::mutex> g(tl.mu);
   int64_t& clock = stream_clock(tl, dev, stream);
   const int64_t start = std::max(clock, tl.host);
-  clock = start + cost_ns;
+  // A straggler (--fault slow-gpu) runs its kernels slower; its copies ride the host link as before.
+  const double slowdown = kind == WorkKind::kCompute || kind == WorkKind::kMemory ? cost_model().gpu_slowdown : 1.0;
+  clock = start + (slowdown == 1.0 ? cost_ns : std::llround(static_cast<double>(cost_ns) * slowdown));
   if (!tl_replaying) tl.host += cost_model().launch_ns;
   keep(tl, Interval{start, clock, name, bytes, flops, stream, kind, dev});
   return clock;

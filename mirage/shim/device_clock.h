@@ -96,6 +96,9 @@ int64_t mirage_clock_collective(int device, int64_t comm_stream, int64_t start, 
 // Work::wait: the caller's current stream waits for `t`.
 void mirage_clock_current_stream_waits(int device, int64_t t);
 // The predicted duration of a collective (op_cost.cpp): kind as mirage::nccl::Kind, `bytes` the
-// per-rank buffer NCCL's busbw formulas use, across `nodes` emulated nodes.
-int64_t mirage_collective_cost_ns(int kind, int64_t bytes, int ranks, int nodes);
+// per-rank buffer NCCL's busbw formulas use, across `nodes` emulated nodes whose links between
+// them are `nic_slowdown` times slower than the profile's (1: as the profile says).
+int64_t mirage_collective_cost_ns(int kind, int64_t bytes, int ranks, int nodes, double nic_slowdown);
+// How many times slower the links among these emulated nodes are (--fault slow-link; 1: none).
+double mirage_link_slowdown(const int64_t* nodes, int count);
 }

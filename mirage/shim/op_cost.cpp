@@ -1,6 +1,8 @@
 // The cost model (op_cost.h): its parameters, kernels, copies, collectives, FLOP counts.
 #include "op_cost.h"
 
+#include <sstream>
+
 #include "device_guard.h"
 
 #include <ATen/Context.h>
@@ -44,6 +46,24 @@ double need(const std::map<std::string, double>& values, const char* key) {
   return it->second;
 }
 
+// MIRAGE_SLOW_GPUS "rank:factor,..." and MIRAGE_SLOW_LINKS "a-b:factor,..." (the launcher's
+// encoding of --fault slow-gpu / slow-link, checked there).
+void read_slowdowns(CostModel& m) {
+  const std::string rank = std::getenv("RANK") ? std::getenv("RANK") : "0";  // a lone process is rank 0
+  std::stringstream gpus(std::getenv("MIRAGE_SLOW_GPUS") ? std::getenv("MIRAGE_SLOW_GPUS") : "");
+  for (std::string entry; std::getline(gpus, entry, ',');) {
+    const auto colon = entry.find(':');
+    if (colon != std::string::npos && entry.substr(0, colon) == rank) m.gpu_slowdown = std::stod(entry.substr(colon + 1));
+  }
+  std::stringstream links(std::getenv("MIRAGE_SLOW_LINKS") ? std::getenv("MIRAGE_SLOW_LINKS") : "");
+  for (std::string entry; std::getline(links, entry, ',');) {
+    const auto dash = entry.find('-'), colon = entry.find(':');
+    if (dash == std::string::npos || colon == std::string::npos) continue;
+    m.slow_links.push_back({std::stoll(entry.substr(0, dash)), std::stoll(entry.substr(dash + 1, colon - dash - 1)),
+                            std::stod(entry.substr(colon + 1))});
+  }
+}
+
 CostModel load_model() {
   const auto p = read_parameters();
   constexpr double kGBs = 1.0;  // 1 GB/s = 1 byte/ns
@@ -74,6 +94,7 @@ CostModel load_model() {
   m.nic_bytes_per_ns = need(p, "nic_bandwidth_gbs") * need(p, "nic_efficiency") * kGBs;
   m.nic_latency_ns = need(p, "nic_latency_us") * 1e3;
   m.p2p_bytes_per_ns = link_one_way * need(p, "nccl_bus_efficiency");
+  read_slowdowns(m);
   return m;
 }
 
@@ -255,7 +276,17 @@ static double bus_factor(int kind, double n) {
   }
 }
 
-extern "C" int64_t mirage_collective_cost_ns(int kind, int64_t bytes, int ranks, int nodes) {
+extern "C" double mirage_link_slowdown(const int64_t* nodes, int count) {
+  double slowdown = 1.0;
+  for (const auto& link : mirage::cost_model().slow_links) {
+    const bool a = std::find(nodes, nodes + count, link.a) != nodes + count;
+    const bool b = std::find(nodes, nodes + count, link.b) != nodes + count;
+    if (a && b) slowdown = std::max(slowdown, link.factor);  // a ring across both crosses the link
+  }
+  return slowdown;
+}
+
+extern "C" int64_t mirage_collective_cost_ns(int kind, int64_t bytes, int ranks, int nodes, double nic_slowdown) {
   const mirage::CostModel& m = mirage::cost_model();
   if (ranks <= 1) return 0;
   const double n = ranks, size = static_cast<double>(bytes);
@@ -273,7 +304,7 @@ extern "C" int64_t mirage_collective_cost_ns(int kind, int64_t bytes, int ranks,
   // One protocol: its latency, then the bytes at its share of the links' (and NICs') bandwidth.
   auto protocol = [&](double latency, double efficiency) {
     double transfer = size * bus_factor(kind, n) / (bus * efficiency);
-    if (nodes > 1) transfer = std::max(transfer, across / (m.nic_bytes_per_ns * efficiency));
+    if (nodes > 1) transfer = std::max(transfer, across * nic_slowdown / (m.nic_bytes_per_ns * efficiency));
     return latency + extra + transfer;
   };
   const double simple = protocol(m.bus_latency_ns, 1.0), ll = protocol(m.ll_latency_ns, m.ll_efficiency);
@@ -303,7 +334,8 @@ TORCH_LIBRARY_FRAGMENT(mirage, m) {
         [](int64_t bytes) -> int64_t { return mirage::kernel_cost(0, bytes, c10::kByte, 0).ns; });
   m.def("clock_predict_collective_ns(int kind, int bytes, int ranks, int nodes) -> int",
         [](int64_t kind, int64_t bytes, int64_t ranks, int64_t nodes) -> int64_t {
-          return mirage_collective_cost_ns(static_cast<int>(kind), bytes, static_cast<int>(ranks), static_cast<int>(nodes));
+          return mirage_collective_cost_ns(static_cast<int>(kind), bytes, static_cast<int>(ranks), static_cast<int>(nodes),
+                                           1.0);
         });
   // A torch.compile'd graph (its host kernels do not pass the op path): one entry on the
   // device's current stream for its fused kernels, costed from what inductor's graph reads and

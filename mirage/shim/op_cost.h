@@ -43,6 +43,15 @@ struct CostModel {
   double nic_bytes_per_ns;        // achievable busbw per GPU across nodes
   double nic_latency_ns;          // added per doubling of nodes
   double p2p_bytes_per_ns;        // one direction of one GPU's links (send/recv)
+  // Faults on purpose (--fault slow-gpu / slow-link): this process's GPU runs its kernels this
+  // many times slower (a straggler: thermal throttling, a bad part), and the links between
+  // pairs of emulated nodes carry this many times less (a degraded link).
+  double gpu_slowdown = 1.0;
+  struct SlowLink {
+    int64_t a, b;
+    double factor;
+  };
+  std::vector<SlowLink> slow_links;
 };
 const CostModel& cost_model();
 

@@ -76,6 +76,23 @@ def straggler() -> None:
     dist.destroy_process_group()
 
 
+def allreduce() -> None:
+    """One rank per emulated node; a 64 MiB all_reduce across them, timed with events."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    t = torch.ones(2**24, device="cuda")
+    dist.all_reduce(t)  # joins the ranks' clocks
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    dist.all_reduce(t)
+    end.record()
+    torch.cuda.synchronize()
+    print(json.dumps({"rank": dist.get_rank(), "all_reduce_ms": start.elapsed_time(end)}))
+    dist.destroy_process_group()
+
+
 def steps() -> None:
     """A few optimizer steps, then steps marked by the program (the marker replaces them)."""
     model = torch.nn.Linear(256, 256, device="cuda")
@@ -133,4 +150,4 @@ def graph() -> None:
     print(json.dumps(times))
 
 
-{"gemm": gemm, "attention": attention, "straggler": straggler, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
+{"gemm": gemm, "attention": attention, "straggler": straggler, "allreduce": allreduce, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
