@@ -94,14 +94,19 @@ def _nearest(word: str, choices) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-def _seconds(text: str, spec: str) -> float:
+def _number(spec: str, key: str, text: str, example: str, too_small: str, above: float = 0.0) -> float:
+    """The number a key gives (a duration may end in 's'), more than `above`."""
     try:
         value = float(text[:-1] if text.endswith("s") else text)
     except ValueError:
-        raise FaultError(f"fault '{spec}': for={text} is not a duration; write seconds, e.g. for=900s") from None
-    if not value > 0:
-        raise FaultError(f"fault '{spec}': for={text} must be a positive number of seconds")
+        raise FaultError(f"fault '{spec}': {key}={text} is not a number; e.g. {example}") from None
+    if not value > above:
+        raise FaultError(f"fault '{spec}': {key}={text} {too_small}")
     return value
+
+
+def _seconds(text: str, spec: str, key: str = "for") -> float:
+    return _number(spec, key, text, f"{key}=900s", "must be a positive number of seconds")
 
 
 def _target(fields: dict, key: str, limit: int, spec: str, example: str, there: str) -> int:
@@ -116,15 +121,9 @@ def _target(fields: dict, key: str, limit: int, spec: str, example: str, there: 
 
 
 def _factor(fields: dict, spec: str) -> float:
-    try:
-        factor = float(fields["factor"])
-    except KeyError:
-        raise FaultError(f"fault '{spec}': say how many times slower, e.g. :factor=2") from None
-    except ValueError:
-        raise FaultError(f"fault '{spec}': factor={fields['factor']} is not a number; e.g. factor=2") from None
-    if not factor > 1:
-        raise FaultError(f"fault '{spec}': factor={fields['factor']} slows nothing; it must be more than 1")
-    return factor
+    if "factor" not in fields:
+        raise FaultError(f"fault '{spec}': say how many times slower, e.g. :factor=2")
+    return _number(spec, "factor", str(fields["factor"]), "factor=2", "slows nothing; it must be more than 1", above=1.0)
 
 
 def _build_slow(fields: dict, spec: str, index: int, world: int, nodes: int, clocked: bool) -> Fault:
@@ -178,7 +177,7 @@ def _build(fields: dict, spec: str, index: int, rng: random.Random, world: int, 
     if trigger == "after":
         if count is None:
             raise FaultError(f"fault '{spec}': at=after needs a time, e.g. at=after:30s")
-        return Fault(index, kind, rank, trigger, 0, after_s=_seconds(str(count), spec), node=node)
+        return Fault(index, kind, rank, trigger, 0, after_s=_seconds(str(count), spec, "at=after"), node=node)
     drawn = count == "random"
     if drawn:
         count = rng.randint(*RANDOM_RANGE)
