@@ -31,6 +31,7 @@ def leftovers(session: str) -> list[str]:
     ("kill-node:node=2:at=after:3s", "node 2 is out of range: this session has 1 node(s)"),
     ("kill-node:node=0:at=collective:3", "a fault of kind kill-node fires at=after"),
     ("kill:rank=0:at=after", "at=after needs a time"),
+    ("kill:rank=0:at=after:3s:rejoin=2s", "rejoin= applies to kill-node faults only"),
     ("slow-gpu:rank=0:factor=2", "slow-gpu slows the predicted timeline: it needs clocked mode (add --timing)"),
 ])
 def test_a_fault_that_cannot_work_is_refused_before_the_workload_starts(spec, why):
@@ -108,17 +109,32 @@ def test_a_random_count_is_drawn_from_the_seed():
     assert len({allocated(str(seed)) for seed in range(4)}) > 1
 
 
-def test_a_node_killed_after_a_time_loses_every_process_at_once(tmp_path):
+def test_a_node_killed_after_a_time_loses_every_process_at_once_and_the_other_node_goes_on(tmp_path):
     summary = tmp_path / "summary.json"
-    node_command = "sleep 60 & sleep 60; wait"
+    # node 1 sleeps (a shell and two children) until the fault; node 0 outlives the kill and ends well
+    node_command = 'if [ "$MIRAGE_NODE_RANK" = 1 ]; then sleep 60 & sleep 60; wait; else sleep 6; echo node 0 done; fi'
     result = mirage("run", "--quiet", "--num-nodes", "2", "--gpus-per-node", "1", "--summary-json", str(summary),
                     "--fault", "kill-node:node=1:at=after:3s", "--", "sh", "-c", node_command, timeout=120)
-    assert result.returncode == 137, result.stderr
-    # the node's shell and both its children
+    # as on a cluster, a node's failure does not stop the others: they find out for themselves
+    assert result.returncode == 0, result.stderr
+    assert "[0] node 0 done" in result.stdout
     assert "fault 1 injected: SIGKILL on node 1 (3 processes) 3 s into the session" in result.stderr
     report = json.loads(summary.read_text())
     assert report["faults"][0]["fired"] and report["faults"][0]["at_s"] >= 3
+    assert {p["rank"]: p["exit_code"] for p in report["processes"]} == {"0": 0, "1": 137}
     assert leftovers(report["session"]) == []
+
+
+def test_a_killed_node_that_rejoins_runs_its_command_again(tmp_path):
+    once = tmp_path / "once"
+    node_command = (f'echo "node $MIRAGE_NODE_RANK up"; if [ "$MIRAGE_NODE_RANK" = 1 ] && [ ! -e {once} ]; then '
+                    f'touch {once}; sleep 60; fi')
+    result = mirage("run", "--num-nodes", "2", "--gpus-per-node", "1", "--fault",
+                    "kill-node:node=1:at=after:3s:rejoin=2s", "--", "sh", "-c", node_command, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("[1] node 1 up") == 2 and result.stdout.count("[0] node 0 up") == 1
+    assert "fault 1: node 1 rejoins, starting its command again" in result.stderr
+    assert "kill-node node 1 3 s into the session, rejoining 2 s later" in result.stderr
 
 
 def test_a_rank_killed_after_a_time_ends_as_a_sigkill_does():

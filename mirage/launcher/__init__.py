@@ -398,7 +398,7 @@ def run_session(request: RunRequest) -> int:
                 exit_code = 126
                 return exit_code
         if any(f.trigger == "after" for f in faults):
-            timer = fault_specs.FaultTimer(faults, session_id, session_dir / "faults", started, narrate)
+            timer = fault_specs.FaultTimer(faults, session_id, session_dir / "faults", started, narrate, supervisor)
             timer.start()
         exit_code = supervisor.wait()
         if service is not None:

@@ -15,7 +15,12 @@
                                                their watchdog turns into taking them down
     --fault kill:rank=2:at=after:30s           SIGKILL rank 2 (and its children) 30 s into the session
     --fault kill-node:node=1:at=after:30s      SIGKILL every process of emulated node 1 at once
-                                               (its torchrun agent too), as a node that reboots
+                                               (its torchrun agent too), as a node that fails; the
+                                               other nodes go on and find out as on a cluster
+    --fault kill-node:node=1:at=after:30s:rejoin=10s
+                                               ... and 10 s later node 1 starts its command again,
+                                               as a rebooted node rejoins (elastic torchrun
+                                               --nnodes=1:2 re-forms the world around it)
     --fault kill:rank=0:at=collective:random --seed 7
                                                the count drawn from --seed (1-100)
     --fault slow-gpu:rank=3:factor=2           clocked mode (--timing): rank 3's GPU runs its kernels
@@ -75,6 +80,7 @@ class Fault:
     node: int = -1           # kill-node's node
     drawn: bool = False      # the count came from --seed (at=TRIGGER:random)
     factor: float = 1.0      # slow-gpu / slow-link: how many times slower
+    rejoin_s: float = 0.0    # kill-node: seconds after the kill that the node starts again (0: never)
     link: tuple[int, int] = (-1, -1)  # slow-link's two nodes
 
     def describe(self) -> str:
@@ -84,7 +90,8 @@ class Fault:
             return f"slow-gpu rank {self.rank}, {self.factor:g}x slower"
         who = f"node {self.node}" if self.kind == "kill-node" else f"rank {self.rank}"
         if self.trigger == "after":
-            return f"{self.kind} {who} {self.after_s:g} s into the session"
+            rejoin = f", rejoining {self.rejoin_s:g} s later" if self.rejoin_s else ""
+            return f"{self.kind} {who} {self.after_s:g} s into the session{rejoin}"
         stall = f" for {self.stall_s:g} s" if self.kind == "stall" else ""
         return f"{self.kind} {who} at its {self.trigger} {self.count}{stall}"
 
@@ -153,7 +160,7 @@ def _build(fields: dict, spec: str, index: int, rng: random.Random, world: int, 
     kind = str(fields.get("kind", ""))
     if kind not in KINDS:
         raise FaultError(f"fault '{spec}': unknown kind '{kind}'{_nearest(kind, KINDS)}; the kinds are {', '.join(KINDS)}")
-    keys = ["rank", "node", "nodes", "at", "count", "for", "factor"]
+    keys = ["rank", "node", "nodes", "at", "count", "for", "factor", "rejoin"]
     unknown = set(fields) - {"kind", *keys}
     if unknown:
         key = sorted(unknown)[0]
@@ -162,6 +169,8 @@ def _build(fields: dict, spec: str, index: int, rng: random.Random, world: int, 
         return _build_slow(fields, spec, index, world, nodes, clocked)
     if "factor" in fields or "nodes" in fields:
         raise FaultError(f"fault '{spec}': factor= and nodes= apply to slow-gpu / slow-link faults only")
+    if "rejoin" in fields and kind != "kill-node":
+        raise FaultError(f"fault '{spec}': rejoin= applies to kill-node faults only (a node that comes back)")
     rank = node = -1
     if kind == "kill-node":
         node = _target(fields, "node", nodes, spec, "kill-node:node=0:at=after:30s",
@@ -177,7 +186,9 @@ def _build(fields: dict, spec: str, index: int, rng: random.Random, world: int, 
     if trigger == "after":
         if count is None:
             raise FaultError(f"fault '{spec}': at=after needs a time, e.g. at=after:30s")
-        return Fault(index, kind, rank, trigger, 0, after_s=_seconds(str(count), spec, "at=after"), node=node)
+        rejoin = _seconds(str(fields["rejoin"]), spec, "rejoin") if "rejoin" in fields else 0.0
+        return Fault(index, kind, rank, trigger, 0, after_s=_seconds(str(count), spec, "at=after"), node=node,
+                     rejoin_s=rejoin)
     drawn = count == "random"
     if drawn:
         count = rng.randint(*RANDOM_RANGE)
@@ -258,23 +269,39 @@ class FaultTimer(threading.Thread):
     """The launcher's half: faults at=after. At its time it SIGKILLs, all at once, every process
     of the session that is the rank (RANK=R in its environment: the rank and what it started) or
     the node (MIRAGE_NODE_RANK=N: the node's torchrun agent included), claims the fault's marker
-    and logs it as the shim does."""
+    and logs it as the shim does. A killed node's processes are spared by the supervisor (the
+    other nodes go on); with rejoin= the node's command starts again that much later."""
 
-    def __init__(self, faults: list[Fault], session_id: str, folder: Path, started: float, log) -> None:
+    def __init__(self, faults: list[Fault], session_id: str, folder: Path, started: float, log, supervisor) -> None:
         super().__init__(name="mirage-faults", daemon=True)
-        self.faults = sorted((f for f in faults if f.trigger == "after"), key=lambda f: f.after_s)
+        after = [f for f in faults if f.trigger == "after"]
+        # (seconds into the session, what happens, fault)
+        self.events = sorted([(f.after_s, "kill", f) for f in after] +
+                             [(f.after_s + f.rejoin_s, "rejoin", f) for f in after if f.rejoin_s],
+                             key=lambda event: event[0])
         self.session_id, self.folder, self.started, self.log = session_id, folder, started, log
+        self.supervisor = supervisor
         self.stopped = threading.Event()
+        self.fired: set[int] = set()
 
     def run(self) -> None:
-        for fault in self.faults:
-            if self.stopped.wait(max(0.0, self.started + fault.after_s - time.time())):
+        for at, what, fault in self.events:
+            if self.stopped.wait(max(0.0, self.started + at - time.time())):
                 return
+            if what == "rejoin":
+                if fault.id not in self.fired:
+                    continue  # its node was not killed (not started yet, or gone)
+                self.log(f"fault {fault.id}: node {fault.node} rejoins, starting its command again")
+                self.supervisor.rejoin_node(fault.node)
+                continue
             key, value = ("MIRAGE_NODE_RANK", fault.node) if fault.kind == "kill-node" else ("RANK", fault.rank)
             victims = [pid for pid in session_processes(self.session_id) if _environ(pid).get(key) == str(value)]
             if not victims:
                 continue  # not started yet or already gone: the fault did not fire
             _claim(self.folder, fault, victims[0])
+            self.fired.add(fault.id)
+            if fault.kind == "kill-node":
+                self.supervisor.spare(victims, rejoin=fault.rejoin_s > 0)
             for pid in victims:
                 try:
                     os.kill(pid, signal.SIGKILL)

@@ -48,6 +48,10 @@ class Supervisor:
     _terminal_fd: int | None = None
     forced_exit_code: int | None = None
     exit_codes: dict[str, int] = field(default_factory=dict)  # label -> shell exit code
+    # How each process was started (argv, env, cwd, label), so a node killed on purpose can rejoin.
+    commands: dict[int, tuple[list[str], dict[str, str], str | None, str | None]] = field(default_factory=dict)
+    spared: set[int] = field(default_factory=set)  # killed on purpose (kill-node): the others go on
+    rejoins_pending: int = 0  # nodes killed on purpose that will be started again
 
     def arm_signals(self) -> None:
         """Installs the handlers; called before bring-up so no signal falls through."""
@@ -81,8 +85,26 @@ class Supervisor:
                 pump.start()
                 self.pumps.append(pump)
             self.labels[child.pid] = label
+        self.commands[child.pid] = (argv, env, cwd, label)
         self.children.append(child)
         return child
+
+    def spare(self, pids: list[int], rejoin: bool) -> None:
+        """These processes are killed on purpose (a node that fails, --fault kill-node): their end
+        does not stop the rest of the job, as a node's reboot does not stop the other nodes; with
+        `rejoin`, the node will be started again (rejoin_node), so the job waits for it."""
+        self.spared.update(pids)
+        if rejoin:
+            self.rejoins_pending += 1
+
+    def rejoin_node(self, node: int) -> None:
+        """Starts again the command of emulated node `node` that was killed on purpose (not once
+        the job is being stopped)."""
+        stopping = self.kill_deadline is not None or self.forced_exit_code is not None
+        for pid, (argv, env, cwd, label) in list(self.commands.items()):
+            if not stopping and pid in self.spared and env.get("MIRAGE_NODE_RANK") == str(node):
+                self.start(argv, env, cwd, label=label)
+        self.rejoins_pending -= 1
 
     def _pump(self, pipe, sink, prefix: bytes) -> None:
         """Copies one child's stream to ours a line at a time, each line prefixed. When the
@@ -101,16 +123,24 @@ class Supervisor:
     def wait(self) -> int:
         """Waits for every child; returns the first failing exit code (as a shell reports it).
 
-        When one process fails, the others are stopped: a job with a dead rank cannot finish.
+        When one process fails, the others are stopped: a job with a dead rank cannot finish;
+        except a node killed on purpose (spare), whose peers must find out for themselves.
         """
         exit_code = 0
-        pending = list(self.children)
-        while pending:
+        reaped: set[int] = set()
+        while True:
+            # a node that rejoins adds a child meanwhile
+            pending = [child for child in self.children if child.pid not in reaped]
+            if not pending and not self.rejoins_pending:
+                break
             for child in list(pending):
                 if child.poll() is not None:
                     pending.remove(child)
+                    reaped.add(child.pid)
                     code = shell_exit_code(child.returncode)
                     self.exit_codes[self.labels.get(child.pid, "0")] = code
+                    if child.pid in self.spared:
+                        continue
                     if code and not exit_code and self.forced_exit_code is None:
                         exit_code = code
                         if pending and self.kill_deadline is None:
@@ -118,7 +148,7 @@ class Supervisor:
                             self.narrate(f"[{who}] exited with code {code}; stopping the other processes")
                             self.signal_all(signal.SIGTERM)
                             self.kill_deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
-            if pending:
+            if pending or self.rejoins_pending:
                 if self.kill_deadline is not None and time.monotonic() >= self.kill_deadline:
                     self.narrate("workload still running after SIGTERM; sending SIGKILL")
                     self.signal_all(signal.SIGKILL)
