@@ -35,12 +35,16 @@ struct MirageGuard final : c10::impl::DeviceGuardImplInterface {
     tl_device = d.index();
   }
   void uncheckedSetDevice(c10::Device d) const noexcept override { tl_device = d.index(); }
+  // A device without an index (torch.Stream(device="cuda")) is the current one, as CUDA's
+  // getCurrentCUDAStream / getStreamFromPool take index -1.
+  static c10::Device indexed(c10::Device d) { return d.has_index() ? d : c10::Device(DeviceType::CUDA, tl_device); }
   c10::Stream getStream(c10::Device d) const override {
+    d = indexed(d);
     return c10::Stream(c10::Stream::UNSAFE, d, tl_stream[d.index()]);
   }
-  c10::Stream getDefaultStream(c10::Device d) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
+  c10::Stream getDefaultStream(c10::Device d) const override { return c10::Stream(c10::Stream::DEFAULT, indexed(d)); }
   c10::Stream getNewStream(c10::Device d, int) const override {
-    return c10::Stream(c10::Stream::UNSAFE, d, new_stream_id());
+    return c10::Stream(c10::Stream::UNSAFE, indexed(d), new_stream_id());
   }
   c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override { return getNewStream(d, 0); }
   c10::Stream exchangeStream(c10::Stream s) const override {

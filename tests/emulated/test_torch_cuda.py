@@ -206,6 +206,18 @@ def test_streams_and_events():
     assert x.sum().item() == 12
 
 
+def test_a_stream_of_the_device_without_an_index_is_the_current_devices():
+    # torch.Stream(device="cuda") (what TorchFT's checkpoint transport makes) is on the current GPU, as with CUDA
+    with torch.cuda.device(1):
+        stream = torch.Stream(device="cuda")
+        assert stream.device == torch.device("cuda", 1)
+        with stream:
+            assert torch.cuda.current_stream(1) == stream
+            y = torch.ones(3, device="cuda") * 2
+    assert torch.cuda.current_stream(1) == torch.cuda.default_stream(1)
+    assert y.device == torch.device("cuda", 1) and y.sum().item() == 6
+
+
 def test_autocast_bf16():
     model = torch.nn.Linear(8, 8).cuda()
     with torch.autocast("cuda", dtype=torch.bfloat16):
