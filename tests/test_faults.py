@@ -263,3 +263,24 @@ def test_a_slow_link_between_two_nodes_slows_the_collectives_that_cross_it(tmp_p
     slow = all_reduce_ms("--fault", "slow-link:nodes=0-1:factor=4")
     # 64 MiB between two nodes is bound by the link: its transfer time grows 4x (less the fixed latency)
     assert 3.5 * base < slow < 4 * base
+
+
+def test_an_elastic_job_re_forms_its_world_without_a_node_that_failed(tmp_path):
+    # torchrun --nnodes=1:2 on each emulated node; on one host every node matches the rendezvous
+    # endpoint, so node 0 says it hosts the store
+    command = ("torchrun --nnodes=1:2 --nproc-per-node=1 --max-restarts=3 --rdzv-backend=c10d "
+               "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT --rdzv-id=elastic "
+               "--rdzv-conf is_host=$((MIRAGE_NODE_RANK == 0)),last_call_timeout=3 "
+               f"tests/workloads/elastic.py {tmp_path} 50")
+    result = mirage("run", "--quiet", "--num-nodes", "2", "--gpus-per-node", "1",
+                    "--fault", "kill-node:node=1:at=after:10s", "--", "sh", "-c", command, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [json.loads(text) for text in re.findall(r'\{"step"[^{}]*\}', result.stdout)]
+    node0 = [(s["world"], s["restart"]) for s in steps if s["node"] == 0]
+    # both nodes trained together, then node 0's agent restarted its worker in a world of its own ...
+    assert node0[0] == (2, 0) and node0[-1] == (1, 1)
+    assert {s["node"] for s in steps if s["world"] == 2} == {0, 1}
+    # ... which went on from where the two-node world left off, to the end
+    alone = [s["step"] for s in steps if s["node"] == 0 and s["world"] == 1]
+    together = [s["step"] for s in steps if s["node"] == 0 and s["world"] == 2]
+    assert alone[-1] == 49 and alone[0] <= together[-1] + 1
