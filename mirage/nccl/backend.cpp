@@ -470,10 +470,15 @@ class ProcessGroupNCCL final : public c10d::Backend {
     async_error_handling_ = env_int("TORCH_NCCL_ASYNC_ERROR_HANDLING", 3);
     // NCCL leaves a node's shared memory and P2P paths for the network only when both are
     // turned off; so does the emulation.
-    // The connection's keys, per torchrun attempt: torchrun restarts workers against the same
-    // store, where the failed attempt's keys (a communicator segment long unlinked) still sit.
+    // The connection's keys, per torchrun attempt where the workers share the agent's store
+    // (TORCHELASTIC_USE_AGENT_STORE): torchrun restarts them against that same store, where the
+    // failed attempt's keys (a communicator segment long unlinked) still sit. Without it each
+    // attempt's workers get a new store, and the attempt count, which is each agent's own, may
+    // differ between ranks (a node that rejoined counts from 0): no prefix then.
+    const bool agent_store = std::getenv("TORCHELASTIC_USE_AGENT_STORE") &&
+                             std::string(std::getenv("TORCHELASTIC_USE_AGENT_STORE")) == "True";
     const auto connect_store = c10::make_intrusive<c10d::PrefixStore>(
-        "mirage/attempt-" + std::to_string(env_int("TORCHELASTIC_RESTART_COUNT", 0)), store_);
+        agent_store ? "mirage/attempt-" + std::to_string(env_int("TORCHELASTIC_RESTART_COUNT", 0)) : "mirage", store_);
     comm_ = env_flag("NCCL_SHM_DISABLE", false) && env_flag("NCCL_P2P_DISABLE", false)
                 ? connect_sockets(connect_store, rank, size, options_->timeout)
                 : connect_shared_memory(connect_store, rank, size, !env_flag("NCCL_P2P_DISABLE", false), options_->timeout);
