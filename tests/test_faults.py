@@ -76,7 +76,7 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_the_fault_fires_once(tmp_pat
     [fault] = report["faults"]
     assert fault["fired"] and fault["kind"] == "kill" and fault["rank"] == 1 and fault["at_s"] > 0
     # the restart, and the downtime from the kill to the restarted workers' start
-    assert report["fault_effects"]["restarts"] == 1 and 0 < report["fault_effects"]["downtime_s"] < 60
+    assert report["fault_effects"]["restarts"] == 1 and report["fault_effects"]["downtime_s"] > 0
     assert leftovers(report["session"]) == []
 
 
