@@ -245,7 +245,7 @@ class ShmCommunicator final : public Communicator {
   void barrier(const Timing& timing);
   // While a call waits: raises ncclRemoteError if one of `waited_for` ended or aborted, or this
   // communicator's own abort if another thread aborted it.
-  void check_peers(const std::vector<int>& waited_for, const std::string& what) const;
+  void check_peers(const std::vector<int>& waited_for, const std::string& what);
   void exchange(int buffer, const Call& asked, bool first_chunk, const Timing& timing);
   void reduce_chunks(char* data, int64_t numel, at::ScalarType dtype, const Reduction& reduction, int root,
                      const Call& asked, const Timing& timing);
@@ -433,20 +433,16 @@ void ShmCommunicator::barrier(const Timing& timing) {
   }
 }
 
-void ShmCommunicator::check_peers(const std::vector<int>& waited_for, const std::string& what) const {
+void ShmCommunicator::check_peers(const std::vector<int>& waited_for, const std::string& what) {
   check_not_aborted(what);
   for (int r : waited_for) {
     const Peer* p = peer(r);
     const int64_t pid = std::atomic_ref<const int64_t>(p->pid).load(std::memory_order_acquire);
     const uint32_t gone = std::atomic_ref<const uint32_t>(p->gone).load(std::memory_order_acquire);
-    if (gone) {
-      const_cast<ShmCommunicator*>(this)->fail_remote("proxy: connection closed by group rank " + std::to_string(r) +
-                                                      " (pid " + std::to_string(pid) + "): its communicator was aborted");
-    }
-    if (r != rank_ && process_ended(pid)) {
-      const_cast<ShmCommunicator*>(this)->fail_remote("proxy: connection closed by group rank " + std::to_string(r) +
-                                                      " (pid " + std::to_string(pid) + "): the process exited");
-    }
+    const std::string who = "proxy: connection closed by group rank " + std::to_string(r) + " (pid " +
+                            std::to_string(pid) + "): ";
+    if (gone) fail_remote(who + "its communicator was aborted");
+    if (r != rank_ && process_ended(pid)) fail_remote(who + "the process exited");
   }
 }
 
