@@ -12,24 +12,33 @@
 #     root namespace's firewall (e.g. Docker's FORWARD policy DROP with br_netfilter) never
 #     sees host-to-host traffic.
 #   * network namespaces mslurm-host0..N-1: host K has eth0 = 10.231.0.(10+K)/24 on the
-#     bridge, lo up, the UTS hostname "hostK", and one slurmd (`slurmd -N hostK`), which
-#     runs every job step on that node, so a job's tasks live in the host's net and UTS
-#     namespaces. Mount and PID namespaces are shared with the root (ip netns exec gives a
-#     slave mount namespace, for /etc/hosts below; every other path is the same files).
+#     bridge, lo up, the UTS hostname "hostK", and one slurmd (`slurmd -N hostK`), which runs
+#     every job step of that node, so a job's tasks live in the host's net and UTS namespaces.
+#     The PID namespace is the root one; the mount namespace is the slave copy `ip netns exec`
+#     makes (root's mounts propagate in, all files are the same) with three differences: its
+#     own /sys, /etc/hosts (below), and an empty tmpfs on /sys/fs/cgroup (Slurm 22.05's slurmd
+#     always initialises a cgroup plugin; there it finds "v1, no controllers" and leaves
+#     cgroups alone, on cgroup v1 and v2 machines alike).
 #   * the root namespace gets mslurm0 = 10.231.0.254/24 (a veth into the bridge), so srun,
-#     sbatch, sinfo, scancel, scontrol work from the root namespace with SLURM_CONF set.
+#     sbatch, sinfo, scancel, scontrol work from the root namespace with SLURM_CONF set, and
+#     a task can reach a server of the test itself at 10.231.0.254.
 #   * names: /etc/netns/<ns>/hosts (bind-mounted by `ip netns exec` over /etc/hosts inside
 #     the namespaces) lists slurmctl and every hostK; the root namespace's /etc/hosts is not
 #     touched (the same list is in $TESTBED/hosts). slurm.conf gives every NodeAddr.
 #   * slurm.conf: AuthType=auth/none, CredType=cred/none (no munge), proctrack/linuxproc,
 #     task/none (no cgroups), no accounting, select/cons_tres with CR_CPU, CPUs per node
-#     $MIRAGE_SLURM_CPUS (default 8, so up to 8 tasks per node; config_overrides lets it exceed the real cores), partition
-#     "test" (default) with OverSubscribe=FORCE:4, ReturnToService=2.
+#     $MIRAGE_SLURM_CPUS (default 8: up to 8 tasks per node, above the real cores thanks to
+#     SlurmdParameters=config_overrides), partition "test" (default, OverSubscribe=FORCE:4,
+#     so jobs share nodes), ReturnToService=2.
 #   Everything (configs, state, spools, logs) is under $TESTBED (default /tmp/mirage-slurm-testbed).
+#   One testbed per machine: the names (mslurm-*) and the subnet are fixed.
 #
 # Usage:
-#   slurm_testbed.sh start [N]     stop any leftovers, build, wait until sinfo shows N idle nodes;
-#                                  prints `export SLURM_CONF=...` on stdout (progress on stderr)
+#   slurm_testbed.sh start [N]     stop any leftovers, build, wait until sinfo shows N idle nodes
+#                                  (about 1 s, plus apt-get the first time); prints
+#                                  `export SLURM_CONF=...` on stdout (progress on stderr). On
+#                                  failure it prints the logs' tails, removes what it built and
+#                                  exits non-zero (MIRAGE_SLURM_KEEP_ON_FAILURE=1 keeps it).
 #   slurm_testbed.sh stop          kill daemons and every job process, remove namespaces, veths,
 #                                  /etc/netns entries and $TESTBED (safe when nothing runs)
 #   slurm_testbed.sh status        sinfo/squeue, or says it is not running (exit 1)
@@ -37,6 +46,8 @@
 #   slurm_testbed.sh exec CMD...   runs CMD in the root namespace with SLURM_CONF set
 #   slurm_testbed.sh on hostK CMD...  runs CMD inside host K's namespaces (net, uts, mount)
 #   slurm_testbed.sh logs          tails of all daemon logs
+# Environment: MIRAGE_SLURM_TESTBED (folder), MIRAGE_SLURM_NET (a /24 prefix, default
+# 10.231.0), MIRAGE_SLURM_CPUS, MIRAGE_SLURM_START_TIMEOUT (seconds, default 60).
 # Missing packages (slurmctld, slurmd, slurm-client, iproute2) are installed with apt-get.
 set -euo pipefail
 
@@ -123,12 +134,12 @@ alive() {  # the PIDs among the arguments that still exist, on one line
 
 do_stop() {
   need_root
-  local pids i
+  local pids _
   pids=$(testbed_pids | sort -un | tr '\n' ' ')
   if [ -n "${pids// /}" ]; then
     # shellcheck disable=SC2086
     kill_pids TERM $pids
-    for i in $(seq 1 30); do
+    for _ in $(seq 1 30); do
       # shellcheck disable=SC2086
       pids=$(alive $pids)
       if [ -z "${pids// /}" ]; then break; fi
@@ -181,6 +192,9 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 MpiDefault=none
 SchedulerType=sched/backfill
+# A job submitted while the previous one's nodes are still completing is queued; a scheduler
+# pass every second (not every 60) starts it within about a second.
+SchedulerParameters=sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
@@ -217,6 +231,7 @@ EOF
 # (a cgroup v2 host would need systemd scopes; the fresh /sys has no cgroup mount at all).
 in_ns() {
   local ns=$1 name=$2; shift 2
+  # shellcheck disable=SC2016
   ip netns exec "$ns" unshare --uts -- sh -c \
     'echo "$0" >/proc/sys/kernel/hostname &&
      mount -t tmpfs -o size=64k,mode=755 mslurm-nocgroup /sys/fs/cgroup && exec "$@"' "$name" "$@"
@@ -242,17 +257,43 @@ tails() {
   done
 }
 
+dead_daemons() {  # fails the start when a daemon that wrote its pid file has gone
+  local f
+  for f in "$TESTBED"/ctl/slurmctld.pid "$TESTBED"/nodes/*/slurmd.pid; do
+    [ -s "$f" ] || continue
+    [ -d "/proc/$(cat "$f")" ] || die "$(basename "$f" .pid) ($f) exited"
+  done
+}
+
+start_failed() {
+  local rc=$?
+  tails
+  if [ "${MIRAGE_SLURM_KEEP_ON_FAILURE:-}" = 1 ]; then
+    log "start failed; the testbed is left for inspection under $TESTBED (run '$0 stop')"
+  else
+    log "start failed; removing what it built (MIRAGE_SLURM_KEEP_ON_FAILURE=1 keeps it)"
+    do_stop
+  fi
+  exit $((rc == 0 ? 1 : rc))
+}
+
 print_env() {
   echo "export SLURM_CONF=$CONF"
 }
 
 do_start() {
   local n=${1:-2}
-  [[ "$n" =~ ^[1-9][0-9]*$ ]] && [ "$n" -le 200 ] || die "start: N must be 1..200, not '$n'"
+  if ! [[ "$n" =~ ^[1-9][0-9]*$ ]] || [ "$n" -gt 200 ]; then die "start: N must be 1..200, not '$n'"; fi
   need_root
   ensure_packages
   do_stop
+  if ip -4 -o addr show | grep -q " inet $NET\."; then
+    die "the root namespace already has an address in $NET.0/24; set MIRAGE_SLURM_NET to another /24 (e.g. 10.232.0)"
+  fi
   local t0=$SECONDS k
+  # A start that fails prints the daemons' logs and removes what it built, unless
+  # MIRAGE_SLURM_KEEP_ON_FAILURE=1 (then `stop` removes it).
+  trap start_failed EXIT
   write_conf "$n"
   if [ ! -d /etc/netns ]; then mkdir /etc/netns; touch "$TESTBED/made-etc-netns"; fi
 
@@ -273,24 +314,24 @@ do_start() {
 
   export SLURM_CONF=$CONF
   in_ns "$CTL_NS" slurmctl slurmctld -f "$CONF" -i >"$TESTBED/ctl/slurmctld.out" 2>&1 ||
-    { tails; die "slurmctld did not start"; }
+    die "slurmctld did not start"
   for ((k = 0; k < n; k++)); do
     in_ns "$(host_ns $k)" "host$k" slurmd -f "$CONF" -N "host$k" >"$TESTBED/nodes/host$k/slurmd.out" 2>&1 ||
-      { tails; die "slurmd on host$k did not start"; }
+      die "slurmd on host$k did not start"
   done
 
   local deadline=$((SECONDS + START_TIMEOUT)) states=
   while :; do
     states=$(sinfo -h -N -o '%N %t' 2>/dev/null | sort -u || true)
     if [ "$(grep -c ' idle$' <<<"$states" || true)" = "$n" ]; then break; fi
+    dead_daemons
     if [ $SECONDS -ge $deadline ]; then
-      log "nodes not all idle after ${START_TIMEOUT}s; sinfo says:"
-      echo "${states:-<no answer from slurmctld>}" >&2
-      tails
-      die "start failed (the testbed is left as it is for inspection; run '$0 stop')"
+      log "sinfo says: ${states:-<no answer from slurmctld>}"
+      die "nodes not all idle after ${START_TIMEOUT}s"
     fi
     sleep 0.2
   done
+  trap - EXIT
   log "$n hosts idle after $((SECONDS - t0))s (controller $NET.1; hosts host0..host$((n - 1)) at $NET.10..$NET.$((9 + n)))"
   print_env
 }
