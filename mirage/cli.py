@@ -30,7 +30,7 @@ import sys
 from dataclasses import asdict
 
 from mirage import launcher, profiles
-from mirage.launcher import sessions
+from mirage.launcher import nodes, sessions
 
 
 def _all_flags(parser: argparse.ArgumentParser) -> list[str]:
@@ -73,6 +73,14 @@ def _build_parser() -> _Parser:
                      help="emulated nodes; the command runs once per node (default 1)")
     run.add_argument("--nproc-per-node", type=int, metavar="K",
                      help="start K ranks per node itself (no torchrun needed)")
+    isolation = run.add_mutually_exclusive_group()
+    isolation.add_argument("--isolate-nodes", dest="isolate_nodes", action="store_true", default=None,
+                           help="each emulated node in namespaces of its own: hostname, network (eth0 on a "
+                                "session bridge), /dev/shm, IPC (the default for several nodes, where possible)")
+    isolation.add_argument("--no-isolate-nodes", dest="isolate_nodes", action="store_false",
+                           help="every emulated node shares this host's hostname, network and /dev/shm")
+    run.add_argument("--node-hostname", default=nodes.HOSTNAME_PATTERN, metavar="PATTERN",
+                     help="isolated nodes' hostnames, {node} the node's index (default node{node})")
     run.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                      help="set a variable in the workload's environment (repeatable)")
     run.add_argument("--workdir", metavar="DIR", help="run the command in DIR")
@@ -218,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             env=args.env, workdir=args.workdir, clear_env=args.clear_env_vars, timing=args.timing,
             trace=args.trace, virtual_clock=args.virtual_clock, timing_tuning=args.timing_tuning,
             predict_only=args.predict_only, faults=args.fault, faults_file=args.faults, seed=args.seed,
+            isolate_nodes=args.isolate_nodes, node_hostname=args.node_hostname,
         )
         try:
             return launcher.run_session(request)

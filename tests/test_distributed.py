@@ -11,6 +11,8 @@ import pytest
 from conftest import REPO, mirage
 
 NCCL_ENV = ["--env", "NCCL_P2P_DISABLE=1", "--env", "NCCL_SHM_DISABLE=1", "--env", "NCCL_SOCKET_IFNAME=lo"]
+# Isolated emulated nodes reach each other on eth0, as a cluster's nodes on their NIC.
+NODES_NCCL_ENV = ["--env", "NCCL_P2P_DISABLE=1", "--env", "NCCL_SHM_DISABLE=1", "--env", "NCCL_SOCKET_IFNAME=eth0"]
 
 
 @pytest.mark.parametrize("transport", [[], ["--env", "NCCL_P2P_DISABLE=1"], NCCL_ENV],
@@ -44,7 +46,7 @@ def test_ddp_demo_under_torchrun():
 
 
 def test_ddp_across_two_emulated_nodes_without_torchrun():
-    result = mirage("run", "--profile", "mi350x", "--num-nodes", "2", "--gpus-per-node", "2", *NCCL_ENV,
+    result = mirage("run", "--profile", "mi350x", "--num-nodes", "2", "--gpus-per-node", "2", *NODES_NCCL_ENV,
                     "--", "python3", "tests/fixtures/ml/ddp_mlp.py")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[0] ddp_mlp_ok" in result.stdout
@@ -89,14 +91,17 @@ def test_a_rank_without_an_arena_makes_its_communicator_stage_everything(tmp_pat
 
 
 def test_dist_smoke_on_two_nodes_logs_devices_and_reduces():
-    result = mirage("run", "--profile", "mi350x", "--num-nodes", "2", "--gpus-per-node", "2", *NCCL_ENV,
+    result = mirage("run", "--profile", "mi350x", "--num-nodes", "2", "--gpus-per-node", "2", *NODES_NCCL_ENV,
                     "--env", "NCCL_DEBUG=INFO", "--", "python3", "tests/fixtures/ml/dist_smoke.py")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[rank 1] current device = 1 (cuda:1)" in result.stdout
     assert "[rank 0] post all_reduce: tensor = 3.0" in result.stdout
     assert "[0] dist_smoke_ok" in result.stdout
-    init_lines = [line for line in result.stderr.splitlines() if "RCCL INFO" in line]
+    init_lines = [line for line in result.stderr.splitlines() if "RCCL INFO comm" in line]
     assert len(init_lines) == 2 and "nRanks 2" in init_lines[0] and "profile mi350x" in init_lines[0]
+    assert any(line.startswith("[0] node0:") and line.endswith("RCCL INFO Channel 00/0 : 0[0] -> 1 via NET/Socket/0")
+               for line in result.stderr.splitlines())
+    assert "RCCL INFO NET/Socket : Using [0]eth0:10.89.0.2<0>" in result.stderr
 
 
 def test_torchrun_across_emulated_nodes():

@@ -28,14 +28,14 @@ from mirage.launcher import environment
 from mirage.daemon import shared_table
 from mirage.daemon.flight_recorder import FlightRecorder
 from mirage.daemon.service import SessionService
-from mirage.launcher import faults as fault_specs, summary, timing_report
+from mirage.launcher import faults as fault_specs, nodes, summary, timing_report
 from mirage.launcher.supervisor import Supervisor, start_reaper, stdin_has_input, write_or_discard
 from mirage.runtime import visible_devices
 from mirage.shim import build as shim_build
 
 MAX_GPUS_PER_NODE = 64
 MAX_NODES = 64
-HEAD_ADDR = "127.0.0.1"  # every emulated node is on this machine
+HEAD_ADDR = "127.0.0.1"  # where node 0 is reached when the nodes share this host's network
 
 
 class UsageError(Exception):
@@ -75,6 +75,8 @@ class RunRequest:
     faults: list[str] = field(default_factory=list)  # --fault specs (mirage/launcher/faults.py)
     faults_file: str | None = None       # --faults FILE
     seed: int | None = None              # draws the counts of faults at 'random'
+    isolate_nodes: bool | None = None    # namespaces per node (launcher/nodes.py); None: where possible
+    node_hostname: str = nodes.HOSTNAME_PATTERN
 
 
 def runtime_root() -> Path:
@@ -146,6 +148,13 @@ def validate(request: RunRequest) -> tuple[profiles.Profile, int]:
     except fault_specs.FaultError as err:
         raise UsageError(str(err)) from None
     _validate_timing(request, profile)
+    try:
+        nodes.hostnames(request.node_hostname, request.num_nodes)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if request.isolate_nodes and (reason := nodes.unavailable_reason()):
+        raise UsageError(f"--isolate-nodes: {reason}. Fix: run mirage as root with util-linux and iproute2, "
+                         "or drop --isolate-nodes (the nodes then share this host's network)")
     check_torch_is_cpu_build()
     return profile, gpus
 
@@ -191,7 +200,8 @@ def write_output(flag: str, path: str, write: Callable[[str], object]) -> bool:
 
 
 def free_port() -> int:
-    """A TCP port on the head address that nothing listens on now (for MASTER_PORT)."""
+    """A TCP port that nothing on this host listens on now (for MASTER_PORT; isolated nodes have
+    all their ports free, and this one is as good as any there)."""
     with socket.socket() as probe:
         probe.bind((HEAD_ADDR, 0))
         return probe.getsockname()[1]
@@ -216,7 +226,8 @@ def placements(num_nodes: int, nproc_per_node: int | None) -> list[Placement]:
             for node in range(num_nodes) for local in range(per_node)]
 
 
-def identity(session_id: str, session_dir: Path, place: Placement, num_nodes: int, port: int) -> dict[str, str]:
+def identity(session_id: str, session_dir: Path, place: Placement, num_nodes: int, port: int,
+             head: str = HEAD_ADDR) -> dict[str, str]:
     """The job identity of one process: set last, never overridable by --env.
 
     A one-process job gets no rank variables, as `python train.py` on a real box has none (a
@@ -233,9 +244,9 @@ def identity(session_id: str, session_dir: Path, place: Placement, num_nodes: in
     }
     return {
         **ranks,
-        "MASTER_ADDR": HEAD_ADDR,
+        "MASTER_ADDR": head,
         "MASTER_PORT": str(port),
-        "MIRAGE_HEAD_ADDR": HEAD_ADDR,
+        "MIRAGE_HEAD_ADDR": head,
         "MIRAGE_HEAD_PORT": str(port),
         "MIRAGE_NODE_RANK": str(place.node),
         "MIRAGE_NUM_NODES": str(num_nodes),
@@ -283,6 +294,29 @@ def _finish_timing(request: RunRequest, profile: profiles.Profile, directory: Pa
     return report
 
 
+def _isolate(request: RunRequest, session_id: str, session_dir: Path) -> nodes.NodeNamespaces | None:
+    """Puts each emulated node in namespaces of its own (launcher/nodes.py) when asked, or by
+    default for several nodes; where the machine cannot, an explicit --isolate-nodes is an error
+    and the default says once why the nodes share this host."""
+    wanted = request.isolate_nodes if request.isolate_nodes is not None else request.num_nodes > 1
+    if not wanted:
+        return None
+    reason = nodes.unavailable_reason()
+    if reason is None:
+        namespaces = nodes.NodeNamespaces(session_id, nodes.hostnames(request.node_hostname, request.num_nodes))
+        try:
+            namespaces.start(session_dir)
+            return namespaces
+        except nodes.IsolationError as err:
+            reason = f"the kernel refused: {err}"
+    if request.isolate_nodes:
+        raise LaunchError(f"--isolate-nodes: {reason}. Fix: run where namespaces can be created (root, or a "
+                          "container started with --privileged), or drop --isolate-nodes")
+    narrate(f"the {request.num_nodes} emulated nodes share this host's hostname, network and /dev/shm ({reason}); "
+            "--no-isolate-nodes asks for that without this note")
+    return None
+
+
 def run_session(request: RunRequest) -> int:
     """Runs the request as one session; returns the exit code for the shell."""
     profile, gpus = validate(request)
@@ -297,6 +331,7 @@ def run_session(request: RunRequest) -> int:
     exit_code = 1
     started = time.time()
     timer: fault_specs.FaultTimer | None = None
+    namespaces: nodes.NodeNamespaces | None = None
     seed = request.seed if request.seed is not None else secrets.randbelow(2**31)
     faults = fault_specs.load(request.faults, request.faults_file, seed, request.num_nodes * gpus, request.num_nodes,
                               request.timing)
@@ -306,6 +341,8 @@ def run_session(request: RunRequest) -> int:
         shim = ensure_shim()
         scratch = session_dir / "tmp"
         scratch.mkdir(mode=0o700)
+        namespaces = _isolate(request, session_id, session_dir)
+        head = namespaces.addresses[0] if namespaces else HEAD_ADDR
         timing_dir = session_dir / "timing"
         processes = placements(request.num_nodes, request.nproc_per_node)
         narrate(f"session {session_id} ({request.num_nodes} node(s) x {gpus} x {profile.torch_name}, "
@@ -315,8 +352,10 @@ def run_session(request: RunRequest) -> int:
             "MIRAGE_NCCL_PATH": str(shim_build.nccl_module_path()),
             "MIRAGE_PROFILE": str(profile.path),
             "MIRAGE_NUM_GPUS": str(gpus),
-            # Every emulated node is on loopback (gloo groups a user asks for included).
-            "GLOO_SOCKET_IFNAME": "lo",
+            # Isolated nodes: the emulated NCCL goes through each node's eth0 between nodes, and
+            # gloo finds its address from the hostname (/etc/hosts), as on a cluster. Otherwise
+            # every emulated node is on loopback (gloo groups a user asks for included).
+            **({"MIRAGE_ISOLATED_NODES": "1"} if namespaces else {"GLOO_SOCKET_IFNAME": "lo"}),
             # Scratch (torchrun's error files, tempfile) lives and dies with the session.
             "TMPDIR": str(scratch),
         }
@@ -344,9 +383,11 @@ def run_session(request: RunRequest) -> int:
         def node_environment(node: int, exec_lease: bool = False) -> dict[str, str]:
             place = Placement(node, 0, node * per_node, request.num_nodes * per_node)
             env = environment.build(emulator=emulator, user=user, clear=request.clear_env,
-                                    identity=identity(session_id, session_dir, place, request.num_nodes, port))
+                                    identity=identity(session_id, session_dir, place, request.num_nodes, port, head))
             if exec_lease:
                 env["MIRAGE_EXEC"] = "1"
+                if namespaces:
+                    env[nodes.EXEC_TARGET] = str(namespaces.node_pid(node))
             return env
 
         if not request.in_process:
@@ -381,14 +422,14 @@ def run_session(request: RunRequest) -> int:
                 narrate(f"starting node {place.node + 1}/{request.num_nodes}")
             env = environment.build(
                 emulator=emulator, user=user,
-                identity=identity(session_id, session_dir, place, request.num_nodes, port),
+                identity=identity(session_id, session_dir, place, request.num_nodes, port, head),
                 clear=request.clear_env, warn=narrate if place.rank == 0 else (lambda _: None),
             )
             if place.rank == 0:
                 _warn_if_every_gpu_hidden(env, gpus, profile.is_amd)
             try:
-                supervisor.start(request.command, env, request.workdir,
-                                 label=None if single else str(place.rank))
+                supervisor.start(namespaces.enter(place.node, request.command, request.workdir) if namespaces else request.command,
+                                 env, request.workdir, label=None if single else str(place.rank))
             except FileNotFoundError:
                 narrate(f"command not found: {request.command[0]}")
                 exit_code = 127
@@ -408,6 +449,8 @@ def run_session(request: RunRequest) -> int:
         if timer is not None:
             timer.stopped.set()
         supervisor.teardown()
+        if namespaces is not None:
+            namespaces.close()
         timing = _finish_timing(request, profile, session_dir / "timing")
         if service is not None:
             service.stop()

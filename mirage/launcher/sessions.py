@@ -25,7 +25,7 @@ from pathlib import Path
 from mirage.daemon import shared_table
 from mirage.daemon.protocol import SOCKET_NAME
 from mirage.daemon.service import request
-from mirage.launcher import RUN_PID_NAME, process_start_time, runtime_root
+from mirage.launcher import RUN_PID_NAME, nodes, process_start_time, runtime_root
 from mirage.launcher.supervisor import session_processes
 from mirage.shim.build import cache_root
 
@@ -121,7 +121,9 @@ def exec_in_session(session_id: str | None, node: int, command: list[str]) -> in
         lease.close()
         raise SessionError(reply["error"])
     try:
-        child = subprocess.Popen(command, env=reply["env"])
+        env = reply["env"]
+        target = env.pop(nodes.EXEC_TARGET, None)  # an isolated node: enter its namespaces
+        child = subprocess.Popen(nodes.enter_argv(int(target), command) if target else command, env=env)
     except FileNotFoundError:
         lease.close()
         raise SessionError(f"command not found: {command[0]}") from None

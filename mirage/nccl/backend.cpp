@@ -479,9 +479,10 @@ class ProcessGroupNCCL final : public c10d::Backend {
                              std::string(std::getenv("TORCHELASTIC_USE_AGENT_STORE")) == "True";
     const auto connect_store = c10::make_intrusive<c10d::PrefixStore>(
         agent_store ? "mirage/attempt-" + std::to_string(env_int("TORCHELASTIC_RESTART_COUNT", 0)) : "mirage", store_);
-    comm_ = env_flag("NCCL_SHM_DISABLE", false) && env_flag("NCCL_P2P_DISABLE", false)
-                ? connect_sockets(connect_store, rank, size, options_->timeout)
-                : connect_shared_memory(connect_store, rank, size, !env_flag("NCCL_P2P_DISABLE", false), options_->timeout);
+    const bool p2p = !env_flag("NCCL_P2P_DISABLE", false);
+    comm_ = env_flag("NCCL_SHM_DISABLE", false) && !p2p ? connect_sockets(connect_store, rank, size, options_->timeout)
+            : std::getenv("MIRAGE_ISOLATED_NODES") ? connect_across_nodes(connect_store, rank, size, p2p, options_->timeout)
+            : connect_shared_memory(connect_store, rank, size, p2p, options_->timeout);
     TORCH_CHECK_WITH(DistBackendError, comm_, library(), " error: the emulated ", library(),
                      " runs inside a mirage session only (mirage run -- ...): no MIRAGE_SESSION, or /dev/shm "
                      "has no room for the communicator (`df -h /dev/shm`; NCCL_SHM_DISABLE=1 NCCL_P2P_DISABLE=1 "
@@ -1312,6 +1313,17 @@ class ProcessGroupNCCL final : public c10d::Backend {
          << " rank " << rank_ << " nRanks " << size_ << " node " << (node ? node : "0") << " localRank "
          << (local ? local : "0") << " cudaDev " << device << " profile " << profile << " group " << group_name()
          << " - Init COMPLETE (mirage emulated, transport " << comm_->transport() << ")\n";
+    // Then each peer's path, as NCCL's channel set-up lines give it, and the NIC it uses.
+    const std::string prefix = std::string(host) + ":" + std::to_string(getpid()) + " [" + std::to_string(device) + "] " +
+                               library() + " INFO ";
+    bool network = false;
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer == rank_) continue;
+      const std::string path = comm_->peer_path(peer);
+      network |= path.rfind("NET/", 0) == 0;
+      line << prefix << "Channel 00/0 : " << rank_ << "[" << device << "] -> " << peer << " via " << path << "\n";
+    }
+    if (network) line << prefix << "NET/Socket : Using [0]" << socket_interface() << "<0>\n";
     // One write: ranks sharing a stderr (torchrun's) must not interleave their lines.
     const std::string text = line.str();
     (void)!::write(STDERR_FILENO, text.data(), text.size());

@@ -199,6 +199,7 @@ class ShmCommunicator final : public Communicator {
   ShmCommunicator(void* base, size_t bytes, int rank, int size, std::string instance);
   ~ShmCommunicator() override;
   const char* transport() const override { return direct_ ? "shared memory, P2P direct copies" : "shared memory"; }
+  std::string peer_path(int) const override { return direct_ ? "P2P/direct pointer" : "SHM/direct/direct"; }
   // Decides, with every rank, whether large messages go straight between the ranks' device
   // memory: only if every rank could map every peer's arena (and `allowed`: NCCL_P2P_DISABLE unset).
   void probe_peer_memory(bool allowed, const Timing& timing);

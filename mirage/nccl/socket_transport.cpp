@@ -1,8 +1,8 @@
 // The socket transport of the emulated NCCL backend: TCP between every pair of ranks, as NCCL's
 // net transport (NCCL_NET=Socket) carries traffic that shared memory and P2P cannot.
 //
-// Set-up, collective over the group's store: every rank listens on an ephemeral port and
-// publishes it; each rank connects to every lower rank, twice (channel 0 for point-to-point
+// Set-up, collective over the group's store: every rank listens on an ephemeral port of its
+// interface's address (socket_interface) and publishes both; each rank connects to every lower rank, twice (channel 0 for point-to-point
 // operations, channel 1 for collectives, so a pending send cannot block a collective's bytes)
 // and says who it is; a rank's own channel is a socketpair. All data moves through transfer(),
 // one non-blocking engine over poll(): every pending send and receive progresses together.
@@ -16,6 +16,8 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -27,6 +29,7 @@
 #include <cerrno>
 #include <cstring>
 #include <random>
+#include <sstream>
 #include <string>
 
 namespace mirage::nccl {
@@ -67,7 +70,53 @@ void tune(int fd) {
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
 }
 
+// NCCL_SOCKET_IFNAME's rule for interface names: a comma-separated list of prefixes, exact
+// names when it starts with '=', and the names to avoid when it starts with '^'.
+bool interface_wanted(const std::string& name, std::string spec) {
+  const bool exclude = !spec.empty() && spec[0] == '^';
+  if (exclude) spec.erase(0, 1);
+  const bool exact = !spec.empty() && spec[0] == '=';
+  if (exact) spec.erase(0, 1);
+  std::stringstream items(spec);
+  for (std::string item; std::getline(items, item, ',');) {
+    if (!item.empty() && (exact ? name == item : name.compare(0, item.size(), item) == 0)) return !exclude;
+  }
+  return exclude;
+}
+
+// The interface (name, IPv4 address) peers reach this process on: NCCL_SOCKET_IFNAME's, else on
+// isolated nodes NCCL's default (any interface but loopback and docker*), else loopback, where
+// every emulated node shares this host.
+std::pair<std::string, in_addr> chosen_interface() {
+  const char* asked = std::getenv("NCCL_SOCKET_IFNAME");
+  const bool isolated = std::getenv("MIRAGE_ISOLATED_NODES") != nullptr;
+  if (!asked && !isolated) return {"lo", in_addr{htonl(INADDR_LOOPBACK)}};
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) fail_setup("listing the network interfaces");
+  std::pair<std::string, in_addr> found{"", {}};
+  std::string seen;
+  for (ifaddrs* it = list; it; it = it->ifa_next) {
+    if (!it->ifa_addr || it->ifa_addr->sa_family != AF_INET || !(it->ifa_flags & IFF_UP)) continue;
+    seen += (seen.empty() ? "" : ", ") + std::string(it->ifa_name);
+    const bool wanted = asked ? interface_wanted(it->ifa_name, asked) : interface_wanted(it->ifa_name, "^lo,docker");
+    if (wanted && found.first.empty()) found = {it->ifa_name, reinterpret_cast<sockaddr_in*>(it->ifa_addr)->sin_addr};
+  }
+  freeifaddrs(list);
+  TORCH_CHECK_WITH(DistBackendError, !found.first.empty(), "NCCL error: internal error (run with NCCL_DEBUG=INFO for "
+                   "details)\nncclInternalError: Internal check failed.\nLast error:\nBootstrap : no socket interface "
+                   "found", asked ? std::string(" matching NCCL_SOCKET_IFNAME=") + asked : std::string(),
+                   " (mirage: this node's interfaces are ", seen, "; emulated nodes have eth0)");
+  return found;
+}
+
 }  // namespace
+
+std::string socket_interface() {
+  const auto [name, address] = chosen_interface();
+  char text[INET_ADDRSTRLEN] = "?";
+  inet_ntop(AF_INET, &address, text, sizeof(text));
+  return name + ":" + text;
+}
 
 class SocketCommunicator final : public Communicator {
  public:
@@ -85,6 +134,7 @@ class SocketCommunicator final : public Communicator {
     }
   }
   const char* transport() const override { return "sockets"; }
+  std::string peer_path(int) const override { return "NET/Socket/0"; }
   void interrupt_transfer() override {
     const uint64_t one = 1;
     if (interrupt_ >= 0) (void)!::write(interrupt_, &one, sizeof(one));
@@ -342,15 +392,18 @@ std::unique_ptr<Communicator> connect_sockets(const c10::intrusive_ptr<c10d::Sto
   if (listener < 0) fail_setup("socket()");
   sockaddr_in address{};
   address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);  // every emulated node is on this host
+  address.sin_addr = chosen_interface().second;
   socklen_t length = sizeof(address);
   if (::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 || ::listen(listener, 4 * size) != 0 ||
       ::getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
     close(listener);
-    fail_setup("listening on 127.0.0.1");
+    fail_setup("listening on " + socket_interface());
   }
-  const std::string port = std::to_string(ntohs(address.sin_port));
-  store->set("mirage/port/" + std::to_string(rank), std::vector<uint8_t>(port.begin(), port.end()));
+  // "a.b.c.d port": where peers connect to this rank.
+  char host[INET_ADDRSTRLEN] = "";
+  inet_ntop(AF_INET, &address.sin_addr, host, sizeof(host));
+  const std::string where = std::string(host) + " " + std::to_string(ntohs(address.sin_port));
+  store->set("mirage/port/" + std::to_string(rank), std::vector<uint8_t>(where.begin(), where.end()));
   std::string instance;
   if (rank == 0) {
     std::random_device random;
@@ -364,14 +417,22 @@ std::unique_ptr<Communicator> connect_sockets(const c10::intrusive_ptr<c10d::Sto
   // Connect to every lower rank, once per channel, greeting with (rank, channel).
   for (int peer = 0; peer < rank; ++peer) {
     auto wire = store->get("mirage/port/" + std::to_string(peer));
+    std::stringstream peer_where(std::string(wire.begin(), wire.end()));
+    std::string peer_host;
+    int peer_port = 0;
+    peer_where >> peer_host >> peer_port;
     sockaddr_in to{};
     to.sin_family = AF_INET;
-    to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    to.sin_port = htons(static_cast<uint16_t>(std::stoi(std::string(wire.begin(), wire.end()))));
+    inet_pton(AF_INET, peer_host.c_str(), &to.sin_addr);
+    to.sin_port = htons(static_cast<uint16_t>(peer_port));
     for (int channel = 0; channel < kChannels; ++channel) {
       int fd = ::socket(AF_INET, SOCK_STREAM, 0);
       if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)) != 0) {
-        fail_setup("connecting to group rank " + std::to_string(peer));
+        const bool lost_loopback = peer_host.rfind("127.", 0) == 0 && std::getenv("MIRAGE_ISOLATED_NODES");
+        fail_setup("connecting to group rank " + std::to_string(peer) + " at " + peer_host + ":" +
+                   std::to_string(peer_port) + (lost_loopback ? " (mirage: that rank listens on loopback, which "
+                   "other nodes cannot reach, as on a cluster: NCCL_SOCKET_IFNAME=lo? emulated nodes reach each "
+                   "other on eth0)" : ""));
       }
       int32_t greeting[2] = {rank, channel};
       write_all(fd, greeting, sizeof(greeting));

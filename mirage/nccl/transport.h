@@ -2,7 +2,8 @@
 //
 // Two, as NCCL has: same-host shared memory (shm_transport.cpp; NCCL's SHM and P2P transports),
 // and TCP sockets (socket_transport.cpp; NCCL's net transport), which NCCL_SHM_DISABLE=1 with
-// NCCL_P2P_DISABLE=1 select, and which ranks on different hosts will use. Both implement the
+// NCCL_P2P_DISABLE=1 select, and which ranks on different isolated nodes use (node_hierarchy.cpp
+// combines the two). Both implement the
 // Communicator below with the same semantics: every function works on host memory (the device
 // tensors' bytes, dense); counts are elements; each element is reduced once, in rank order, so
 // every rank gets the same bits. Every collective first compares the ranks' calls, so a desync
@@ -103,6 +104,9 @@ class Communicator {
   int rank() const { return rank_; }
   int size() const { return size_; }
   virtual const char* transport() const = 0;
+  // How bytes reach group rank `peer`, in NCCL_DEBUG=INFO's words ("P2P/direct pointer",
+  // "SHM/direct/direct", "NET/Socket/0").
+  virtual std::string peer_path(int peer) const = 0;
 
   virtual void all_reduce(char* data, int64_t numel, at::ScalarType dtype, const Reduction& reduction,
                           const Timing& timing) = 0;
@@ -196,5 +200,12 @@ std::unique_ptr<Communicator> connect_shared_memory(const c10::intrusive_ptr<c10
                                                     bool p2p, std::chrono::milliseconds timeout);
 std::unique_ptr<Communicator> connect_sockets(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                               std::chrono::milliseconds timeout);
+// Ranks on isolated emulated nodes (MIRAGE_ISOLATED_NODES): shared memory within each node and
+// sockets across nodes (node_hierarchy.cpp); a group within one node is plain shared memory.
+std::unique_ptr<Communicator> connect_across_nodes(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                                   bool p2p, std::chrono::milliseconds timeout);
+// The address this process's socket connections are made to, and the interface it is on (see
+// socket_transport.cpp); NCCL_DEBUG=INFO names it.
+std::string socket_interface();
 
 }  // namespace mirage::nccl
