@@ -47,11 +47,15 @@ TOOLS = ("unshare", "nsenter", "ip")
 READY_TIMEOUT_SECONDS = 20.0
 EXEC_TARGET = "MIRAGE_EXEC_NAMESPACES"  # `mirage exec`: the pid holding its node's namespaces
 
-# Runs in the node's new namespaces: become the node, then hold them until killed.
+# Runs in the node's new namespaces: become the node, then hold them until killed. sysfs shows
+# the network devices of the namespace that mounted it, so the node's /sys/class/net (NCCL and
+# users read interfaces and their counters there) comes from a sysfs mounted inside the node,
+# bound over the host's; the rest of /sys (cgroups included) stays the host's.
 NODE_HOLDER = (
     'hostname "$1" && mount -t tmpfs -o mode=1777,size="$2" mirage-shm /dev/shm && '
-    'mount --bind "$3" /etc/hosts && ip link set lo up && echo ready && '
-    "exec sleep infinity </dev/null >/dev/null 2>&1"
+    'mount --bind "$3" /etc/hosts && ip link set lo up && mkdir "$4" && mount -t sysfs mirage-sys "$4" && '
+    'mount --bind "$4/class/net" /sys/class/net && mount --bind "$4/devices/virtual/net" /sys/devices/virtual/net && '
+    'umount -l "$4" && echo ready && exec sleep infinity </dev/null >/dev/null 2>&1'
 )
 SWITCH_HOLDER = (
     f"ip link add {BRIDGE} type bridge && ip link set {BRIDGE} mtu {MTU} up && echo ready && "
@@ -132,7 +136,8 @@ class NodeNamespaces:
         try:
             for name in self.names:
                 self.holders.append(self._hold(["--net", "--uts", "--ipc", "--mount", "--propagation", "private"],
-                                               NODE_HOLDER, [name, shm_size, str(hosts)], environment))
+                                               NODE_HOLDER, [name, shm_size, str(hosts), str(session_dir / f"sys-{name}")],
+                                               environment))
             switch = self._hold(["--net"], SWITCH_HOLDER, [], environment)
             self.holders.append(switch)
             for holder in self.holders:

@@ -1,0 +1,112 @@
+"""Isolated emulated nodes (launcher/nodes.py): each node its own hostname, network, /dev/shm;
+the emulated NCCL crosses eth0 only between nodes; nothing left on the host afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, mirage
+from mirage.launcher import nodes
+
+pytestmark = pytest.mark.skipif(nodes.unavailable_reason() is not None,
+                                reason=f"cannot isolate nodes here: {nodes.unavailable_reason()}")
+MIB = 16
+
+
+def host_network() -> dict[str, int]:
+    """What could be left on the host: network namespaces in use (by inode), and links in ours."""
+    namespaces = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                namespaces.add(os.stat(entry / "ns" / "net").st_ino)
+            except OSError:
+                pass
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout.splitlines()
+    return {"namespaces": len(namespaces), "links": len(links)}
+
+
+def test_each_node_has_its_own_hostname_network_and_shared_memory_and_nccl_crosses_eth0_only_between_nodes():
+    result = mirage("run", "--quiet", "--num-nodes", "2", "--gpus-per-node", "2", "--nproc-per-node", "2",
+                    "--", "python", "tests/workloads/isolated_nodes.py", str(MIB))
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = {line["rank"]: line for line in
+             (json.loads(text.split("] ", 1)[1]) for text in result.stdout.splitlines() if '"rank"' in text)}
+    assert sorted(ranks) == [0, 1, 2, 3]
+    for rank, seen in ranks.items():
+        node = rank // 2
+        assert seen["hostname"] == f"node{node}" and seen["resolves"] == nodes.node_address(node)
+        assert seen["master"] == nodes.node_address(0)
+        # Only this node's ranks' files: /dev/shm is the node's own.
+        assert seen["shm"] == [f"isolated-nodes-test-rank{r}" for r in (2 * node, 2 * node + 1)]
+        assert seen["sum"] == (4.0 if rank % 2 == 0 else 2.0)  # the node's sum, then (rank 0 of each) both nodes'
+    payload = MIB << 20
+    for node in (0, 1):
+        seen = ranks[2 * node]  # both ranks of a node read the same eth0
+        # Within a node: shared memory, nothing on the wire (a few hundred bytes of gloo's barriers).
+        assert seen["sent_within"] < payload // 100
+        # Across: the node's whole contribution leaves through eth0.
+        assert seen["sent_across"] >= payload
+
+
+def test_hostnames_follow_the_users_pattern_and_a_bad_pattern_is_refused():
+    result = mirage("run", "--quiet", "--num-nodes", "3", "--node-hostname", "gpu-{node}-a", "--", "hostname")
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.split()) == ["[0]", "[1]", "[2]", "gpu-0-a", "gpu-1-a", "gpu-2-a"]
+    for pattern, why in (("gpu", "must contain {node}"), ("gpu_{node}", "not a valid hostname"),
+                         ("{rank}-{node}", "only {node} may appear")):
+        refused = mirage("run", "--num-nodes", "2", "--node-hostname", pattern, "--", "hostname")
+        assert refused.returncode == 2 and why in refused.stderr and "node" not in refused.stdout
+
+
+def test_nodes_share_the_hosts_network_when_asked():
+    result = mirage("run", "--quiet", "--num-nodes", "2", "--no-isolate-nodes", "--", "sh", "-c",
+                    "hostname; echo $MASTER_ADDR")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count(f"] {os.uname().nodename}") == 2 and result.stdout.count("] 127.0.0.1") == 2
+
+
+def test_loopback_as_the_nccl_interface_across_nodes_fails_as_on_a_cluster():
+    """A multi-node bug reproduced: NCCL_SOCKET_IFNAME=lo works on one box, not across nodes."""
+    result = mirage("run", "--quiet", "--num-nodes", "2", "--gpus-per-node", "1", "--env", "NCCL_SOCKET_IFNAME=lo",
+                    "--env", "NCCL_SHM_DISABLE=1", "--env", "NCCL_P2P_DISABLE=1", "--",
+                    "python", "tests/fixtures/ml/dist_smoke.py")
+    assert result.returncode != 0
+    assert "connecting to group rank 0 at 127.0.0.1" in result.stderr and "reach each other on eth0" in result.stderr
+
+
+def test_sigkill_of_mirage_leaves_no_namespace_veth_bridge_or_process():
+    before = host_network()
+    proc = subprocess.Popen([sys.executable, "-m", "mirage", "run", "--num-nodes", "3", "--", "sleep", "600"],
+                            cwd=REPO, stderr=subprocess.PIPE, text=True)
+    session = proc.stderr.readline().split()[2]  # "mirage: session <id> (...)"
+    deadline = time.monotonic() + 60
+    while host_network()["namespaces"] < before["namespaces"] + 4 and time.monotonic() < deadline:
+        time.sleep(0.1)  # 3 nodes and the switch
+    assert host_network()["namespaces"] == before["namespaces"] + 4
+    assert host_network()["links"] == before["links"]  # the bridge and veths are in the session's namespaces
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    marker = f"MIRAGE_SESSION={session}".encode()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        alive = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _carries(p, marker)]
+        if not alive and host_network() == before:
+            break
+        time.sleep(0.2)
+    assert not alive and host_network() == before
+
+
+def _carries(process: Path, marker: bytes) -> bool:
+    try:
+        return marker in (process / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
