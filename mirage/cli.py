@@ -4,6 +4,8 @@ Usage:
     mirage run [--profile P] [--gpus-per-node N] [--num-nodes M] [--nproc-per-node K]
                [--timing [--trace PATH] [--virtual-clock] [--timing-tuning FILE] [--predict-only]]
                [--env K=V]... [--workdir DIR] [--clear-env-vars] -- CMD ARGS...
+    mirage node [--rdzv-port P] [--rdzv-timeout S] [run flags] -- CMD ARGS...
+                                               once per host, under Slurm's srun: one cluster
     mirage ps [--json]                         live sessions
     mirage smi [--session ID] [--json] [--watch [SECONDS]]
     mirage exec [--session ID] [--node N] -- CMD ARGS...
@@ -30,7 +32,7 @@ import sys
 from dataclasses import asdict
 
 from mirage import launcher, profiles
-from mirage.launcher import nodes, sessions
+from mirage.launcher import cluster, nodes, sessions
 
 
 def _all_flags(parser: argparse.ArgumentParser) -> list[str]:
@@ -111,6 +113,11 @@ def _build_parser() -> _Parser:
     run.add_argument("--clear-env-vars", action="store_true",
                      help="start from an almost empty environment (PATH, HOME, USER, LANG, ...)")
 
+    node = commands.add_parser("node", allow_abbrev=False,
+                               help="this host's share of a cluster across hosts (once per host, under srun)",
+                               description="Takes every `mirage run` flag, plus these; --num-nodes counts the "
+                                           "emulated nodes of the whole cluster (default: one per host).")
+    _add_rendezvous_arguments(node)
     ps = commands.add_parser("ps", help="list live sessions", allow_abbrev=False)
     ps.add_argument("--json", action="store_true", help="print JSON")
     smi = commands.add_parser("smi", help="GPUs, memory, processes and collectives of a live session",
@@ -196,6 +203,13 @@ def _session_command(action, as_json: bool) -> int:
         return 130
 
 
+def _add_rendezvous_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rdzv-port", type=int, metavar="PORT",
+                        help="the port the hosts meet at on the job's first host (default: from the job id)")
+    parser.add_argument("--rdzv-timeout", type=float, default=cluster.DEFAULT_RDZV_TIMEOUT, metavar="SECONDS",
+                        help=f"how long the hosts wait for each other (default {cluster.DEFAULT_RDZV_TIMEOUT:g})")
+
+
 def _split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
     """Splits `run` arguments at the first `--`; (flags, command or None when no `--`)."""
     if "--" in argv:
@@ -209,8 +223,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     if argv and argv[0] not in ("cleanup", "-h", "--help"):
         sessions.reap_dead_sessions()
-    if argv and argv[0] == "run":
+    if argv and argv[0] in ("run", "node"):
         flags, command = _split_command(argv[1:])
+        rendezvous = None
+        if argv[0] == "node":
+            if "-h" in flags or "--help" in flags:
+                parser.parse_args(["node", "--help"])
+            rendezvous_parser = _Parser(prog="mirage node", add_help=False, allow_abbrev=False)
+            _add_rendezvous_arguments(rendezvous_parser)
+            rendezvous, flags = rendezvous_parser.parse_known_args(flags)
         if command is None:
             # A forgotten `--`: the first token that is not a flag or a flag's value.
             args, rest = parser.parse_known_args(["run", *flags])
@@ -229,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
             isolate_nodes=args.isolate_nodes, node_hostname=args.node_hostname,
         )
         try:
+            if rendezvous is not None:
+                return launcher.run_node(request, rendezvous.rdzv_port, rendezvous.rdzv_timeout)
             return launcher.run_session(request)
         except launcher.UsageError as err:
             print(f"mirage: error: {err}", file=sys.stderr)

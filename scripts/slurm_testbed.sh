@@ -218,7 +218,8 @@ EOF
   { echo "127.0.0.1 localhost"
     echo "::1 localhost ip6-localhost ip6-loopback"
     echo "$NET.1 slurmctl"
-    for ((k = 0; k < n; k++)); do echo "$NET.$((10 + k)) host$k"; done
+    # and the IPv4-mapped form a dual-stack server (torch's TCPStore) sees clients by, as DNS would
+    for ((k = 0; k < n; k++)); do echo "$NET.$((10 + k)) host$k"; echo "::ffff:$NET.$((10 + k)) host$k"; done
   } >"$TESTBED/hosts"
   echo "$n" >"$TESTBED/nhosts"
 }

@@ -66,6 +66,10 @@ class SessionService:
     _stopping: threading.Event = field(default_factory=threading.Event)
     peaks: dict[tuple[int, int], int] = field(default_factory=dict)
     profile: Profile | None = None  # for the modelled power and the clock `mirage smi` shows
+    # A cluster across hosts (launcher/cluster.py): the nodes this host runs, and the other hosts'
+    # snapshots, which status() adds so that smi on any host shows the whole cluster.
+    local_nodes: range | None = None
+    other_hosts: Callable[[], list[dict]] | None = None
     # (monotonic time, busy ns) per GPU, sampled by the reaper every REAP_INTERVAL_SECONDS
     _busy_samples: dict[tuple[int, int], collections.deque] = field(default_factory=dict)
 
@@ -156,14 +160,15 @@ class SessionService:
                 with self._lock:
                     self.leases -= 1
 
-    def status(self) -> dict:
-        """The session as `mirage smi --json` prints it."""
+    def status(self, with_other_hosts: bool = True) -> dict:
+        """The session as `mirage smi --json` prints it (in a cluster, with the other hosts' GPUs
+        and ranks unless `with_other_hosts` is false)."""
         table = self._table
         slots = table.slots() if table else []
         with self._lock:
             processes = dict(self.processes)
         gpus = []
-        for node in range(self.num_nodes):
+        for node in self.local_nodes or range(self.num_nodes):
             for gpu in range(self.gpus_per_node):
                 used, peak = table.gpu_usage(node, gpu) if table else (0, 0)
                 users = [{"pid": v.pid, "rank": v.rank if v.rank >= 0 else None, "bytes": v.bytes_per_gpu[gpu]}
@@ -177,9 +182,18 @@ class SessionService:
         ranks = [{"rank": r.rank, "pid": r.pid, "node": r.node,
                   "last_collective": self.recorder.last_collective(r.rank)}
                  for r in sorted(processes.values(), key=lambda r: (r.rank is None, r.rank or 0, r.pid))]
-        return {"session": self.session_id, "run_pid": os.getpid(), "started": self.started,
-                "profile": self.profile_name, "device": self.torch_name, "num_nodes": self.num_nodes,
-                "gpus_per_node": self.gpus_per_node, "gpus": gpus, "processes": ranks}
+        status = {"session": self.session_id, "run_pid": os.getpid(), "started": self.started,
+                  "profile": self.profile_name, "device": self.torch_name, "num_nodes": self.num_nodes,
+                  "gpus_per_node": self.gpus_per_node, "gpus": gpus, "processes": ranks}
+        if with_other_hosts and self.other_hosts is not None:
+            others = self.other_hosts()
+            status["hosts"] = [self.session_id] + [other["session"] for other in others]
+            for other in others:
+                status["gpus"] += other["gpus"]
+                status["processes"] += other["processes"]
+            status["gpus"].sort(key=lambda g: (g["node"], g["gpu"]))
+            status["processes"].sort(key=lambda r: (r["rank"] is None, r["rank"] or 0, r["pid"]))
+        return status
 
     def stack_of(self, rank: int) -> str | None:
         """The innermost frames of a rank's main thread now (the rank dumps them on a signal)."""

@@ -28,7 +28,7 @@ from mirage.launcher import environment
 from mirage.daemon import shared_table
 from mirage.daemon.flight_recorder import FlightRecorder
 from mirage.daemon.service import SessionService
-from mirage.launcher import faults as fault_specs, nodes, summary, timing_report
+from mirage.launcher import cluster as clusters, faults as fault_specs, nodes, summary, timing_report
 from mirage.launcher.supervisor import Supervisor, start_reaper, stdin_has_input, write_or_discard
 from mirage.runtime import visible_devices
 from mirage.shim import build as shim_build
@@ -317,10 +317,36 @@ def _isolate(request: RunRequest, session_id: str, session_dir: Path) -> nodes.N
     return None
 
 
-def run_session(request: RunRequest) -> int:
-    """Runs the request as one session; returns the exit code for the shell."""
+def run_node(request: RunRequest, rdzv_port: int | None, rdzv_timeout: float) -> int:
+    """`mirage node`: this host's share of a cluster across hosts started by Slurm
+    (launcher/cluster.py); returns the exit code of this host's workload."""
+    if request.isolate_nodes:
+        raise UsageError("--isolate-nodes applies to mirage run on one host; across hosts each host is a machine "
+                         "of its own already (drop --isolate-nodes)")
+    request.isolate_nodes = False
+    validate(request)
+    try:
+        job = clusters.SlurmJob.from_environment(dict(os.environ))
+    except clusters.ClusterError as err:
+        raise UsageError(str(err)) from None
+    if request.num_nodes == 1 and len(job.hosts) > 1:
+        request.num_nodes = len(job.hosts)  # default: one emulated node per host
+    if request.num_nodes % len(job.hosts):
+        raise UsageError(f"--num-nodes {request.num_nodes} does not split over the job's {len(job.hosts)} host(s); "
+                         f"give a multiple of {len(job.hosts)} (each host runs the same number of emulated nodes)")
+    try:
+        cluster = clusters.rendezvous(job, request.num_nodes, rdzv_port or clusters.default_rdzv_port(job.job_id),
+                                      rdzv_timeout, free_port, narrate)
+    except clusters.ClusterError as err:
+        raise LaunchError(str(err)) from None
+    return run_session(request, cluster)
+
+
+def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) -> int:
+    """Runs the request as one session (in a cluster across hosts, this host's share of it);
+    returns the exit code for the shell."""
     profile, gpus = validate(request)
-    session_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+    session_id = cluster.session_id() if cluster else time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
     session_dir = runtime_root() / session_id
     start_reaper(session_dir)  # before arm_signals makes this process a subreaper
     supervisor = Supervisor(session_id, narrate)
@@ -342,9 +368,12 @@ def run_session(request: RunRequest) -> int:
         scratch = session_dir / "tmp"
         scratch.mkdir(mode=0o700)
         namespaces = _isolate(request, session_id, session_dir)
-        head = namespaces.addresses[0] if namespaces else HEAD_ADDR
+        head = cluster.head_address if cluster else namespaces.addresses[0] if namespaces else HEAD_ADDR
         timing_dir = session_dir / "timing"
         processes = placements(request.num_nodes, request.nproc_per_node)
+        local_nodes = range(cluster.first_node, cluster.first_node + cluster.nodes_per_host) if cluster else None
+        if local_nodes:
+            processes = [place for place in processes if place.node in local_nodes]
         narrate(f"session {session_id} ({request.num_nodes} node(s) x {gpus} x {profile.torch_name}, "
                 f"{len(processes)} process(es))")
         emulator = {
@@ -355,7 +384,7 @@ def run_session(request: RunRequest) -> int:
             # Isolated nodes: the emulated NCCL goes through each node's eth0 between nodes, and
             # gloo finds its address from the hostname (/etc/hosts), as on a cluster. Otherwise
             # every emulated node is on loopback (gloo groups a user asks for included).
-            **({"MIRAGE_ISOLATED_NODES": "1"} if namespaces else {"GLOO_SOCKET_IFNAME": "lo"}),
+            **({"MIRAGE_ISOLATED_NODES": "1"} if namespaces or cluster else {"GLOO_SOCKET_IFNAME": "lo"}),
             # Scratch (torchrun's error files, tempfile) lives and dies with the session.
             "TMPDIR": str(scratch),
         }
@@ -377,7 +406,7 @@ def run_session(request: RunRequest) -> int:
                 narrate(f"fault {fault.id} armed: {fault.describe()}")
             fault_specs.fire_at_start(session_dir / "faults", faults, narrate)
         user = environment.parse_assignments(request.env)
-        port = free_port()
+        port = cluster.master_port if cluster else free_port()
         per_node = request.nproc_per_node or 1
 
         def node_environment(node: int, exec_lease: bool = False) -> dict[str, str]:
@@ -401,6 +430,9 @@ def run_session(request: RunRequest) -> int:
                                      request.num_nodes, gpus, lambda node: node_environment(node, True), recorder,
                                      profile=profile)
             recorder.locate = service.stack_of
+            if cluster:
+                service.local_nodes, service.other_hosts = local_nodes, cluster.other_hosts_status
+                cluster.share_status(lambda: service.status(with_other_hosts=False))
             try:
                 service.start()
             except OSError as err:
@@ -448,6 +480,8 @@ def run_session(request: RunRequest) -> int:
     finally:
         if timer is not None:
             timer.stopped.set()
+        if cluster is not None:
+            cluster.stop_sharing()
         supervisor.teardown()
         if namespaces is not None:
             namespaces.close()
