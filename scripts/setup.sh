@@ -16,3 +16,9 @@ if ! "$VENV/bin/python" -c "import torch, mirage, pytest" >/dev/null 2>&1; then
   "$VENV/bin/python" -m pip install -q torch==2.13.0
   "$VENV/bin/python" -m pip install -q -e ".[test]"
 fi
+# Isolated emulated nodes need iproute2 and util-linux's unshare/nsenter (and root); a bare CI
+# image may lack iproute2. The Slurm tests install Slurm themselves (scripts/slurm_testbed.sh).
+if [ "$(id -u)" = 0 ] && ! command -v ip >/dev/null && command -v apt-get >/dev/null; then
+  echo "==> installing iproute2 (isolated emulated nodes)" >&2
+  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null
+fi
