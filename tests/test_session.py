@@ -14,6 +14,7 @@ import pytest
 
 from conftest import REPO, mirage
 from mirage import launcher, profiles
+from mirage.launcher import nodes
 
 SHM = Path("/dev/shm")
 
@@ -110,10 +111,12 @@ def test_smi_ps_and_exec_on_a_live_session():
         table = mirage("smi", "--session", session).stdout
         assert "AMD Instinct MI350X" in table and "LAST COLLECTIVE" in table
         seen = mirage("exec", "--session", session, "--node", "1", "--", "python", "-c",
-                      "import os, torch; free, total = torch.cuda.mem_get_info(1); "
-                      "print(os.environ['MIRAGE_NODE_RANK'], (total - free) // 2**20)")
-        # the rank's context and segment, and the context the querying process itself now has there
-        assert seen.stdout.split() == ["1", str((2 * context + 20 * 2**20) // 2**20)], seen.stderr
+                      "import os, socket, torch; free, total = torch.cuda.mem_get_info(1); "
+                      "print(os.environ['MIRAGE_NODE_RANK'], (total - free) // 2**20, socket.gethostname())")
+        # the rank's context and segment, and the context the querying process itself now has
+        # there; inside node 1's namespaces (nodes are isolated where the machine allows)
+        hostname = "node1" if nodes.unavailable_reason() is None else os.uname().nodename
+        assert seen.stdout.split() == ["1", str((2 * context + 20 * 2**20) // 2**20), hostname], seen.stderr
     finally:
         proc.kill()
         proc.wait()
