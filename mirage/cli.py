@@ -3,7 +3,7 @@
 Usage:
     mirage run [--profile P] [--gpus-per-node N] [--num-nodes M] [--nproc-per-node K]
                [--timing [--trace PATH] [--virtual-clock] [--timing-tuning FILE] [--predict-only]]
-               [--env K=V]... [--workdir DIR] [--clear-env-vars] -- CMD ARGS...
+               [--lazy-device-memory] [--env K=V]... [--workdir DIR] [--clear-env-vars] -- CMD ARGS...
     mirage node [--rdzv-port P] [--rdzv-timeout S] [run flags] -- CMD ARGS...
                                                once per host, under Slurm's srun: one cluster
     mirage ps [--json]                         live sessions
@@ -110,6 +110,9 @@ def _build_parser() -> _Parser:
                      help="with --timing: a TOML file overriding the profile's timing numbers")
     run.add_argument("--predict-only", action="store_true",
                      help="with --timing: predict without running the kernels (results hold no values)")
+    run.add_argument("--lazy-device-memory", action="store_true",
+                     help="device memory costs host memory only where written, and freed blocks give it back "
+                          "(for models larger than the host's RAM; collectives copy through shared memory)")
     run.add_argument("--clear-env-vars", action="store_true",
                      help="start from an almost empty environment (PATH, HOME, USER, LANG, ...)")
 
@@ -246,8 +249,9 @@ def main(argv: list[str] | None = None) -> int:
             hang_timeout=args.hang_timeout, quiet=args.quiet, summary_json=args.summary_json,
             env=args.env, workdir=args.workdir, clear_env=args.clear_env_vars, timing=args.timing,
             trace=args.trace, virtual_clock=args.virtual_clock, timing_tuning=args.timing_tuning,
-            predict_only=args.predict_only, faults=args.fault, faults_file=args.faults, seed=args.seed,
-            isolate_nodes=args.isolate_nodes, node_hostname=args.node_hostname,
+            predict_only=args.predict_only, lazy_device_memory=args.lazy_device_memory, faults=args.fault,
+            faults_file=args.faults, seed=args.seed, isolate_nodes=args.isolate_nodes,
+            node_hostname=args.node_hostname,
         )
         try:
             if rendezvous is not None:

@@ -102,3 +102,63 @@ def test_garbage_collection_frees_the_oldest_cached_segment_past_the_threshold(t
     assert collected.stdout.split() == ["84", "0"], collected.stderr  # x went, y stayed cached
     uncollected = run(script, "--profile", tiny_profile(tmp_path), alloc_conf={"PYTORCH_CUDA_ALLOC_CONF": fraction})
     assert uncollected.stdout.split() == ["44", "1"], uncollected.stderr  # the cache emptied at the limit
+
+
+# Host memory a process holds for device memory: its private pages and the shared ones (the P2P
+# arena is a memfd), before and after reading a never-written GiB, and after freeing written
+# blocks under the 32 MiB from which the shared arena gives pages back at once.
+HOST_MEMORY_SCRIPT = """
+import torch
+MiB = 2**20
+def held():
+    status = open('/proc/self/status').read().splitlines()
+    return sum(int(line.split()[1]) * 1024 for line in status if line.startswith(('RssAnon:', 'RssShmem:')))
+start = held()
+x = torch.empty(1024 * MiB, dtype=torch.uint8, device='cuda')
+x[:64 * MiB].fill_(1)
+print('allocated', torch.cuda.memory_allocated() // MiB, 'sum', int(x.sum()) // MiB, 'read', (held() - start) // MiB)
+del x
+start = held()
+blocks = [torch.ones(16 * MiB, dtype=torch.uint8, device='cuda') for _ in range(32)]
+del blocks
+print('reserved', torch.cuda.memory_reserved() // MiB, 'freed', (held() - start) // MiB)
+"""
+
+
+def test_lazy_device_memory_holds_on_the_host_only_what_is_live_and_written():
+    lazy = run(HOST_MEMORY_SCRIPT, "--lazy-device-memory")
+    assert lazy.returncode == 0, lazy.stderr
+    default = run(HOST_MEMORY_SCRIPT)
+    assert default.returncode == 0, default.stderr
+    figures = {}
+    for name, result in (("lazy", lazy), ("default", default)):
+        words = result.stdout.split()
+        figures[name] = {key: int(value) for key, value in zip(words[::2], words[1::2])}
+    for f in figures.values():
+        # the GPU's figures whatever the host holds (x's segment cached, the blocks split from it,
+        # a small segment for the sum); never-written device memory reads as zeros
+        assert (f["allocated"], f["sum"], f["reserved"]) == (1024, 64, 1024 + 2), figures
+    # lazy: the 64 MiB written (and a little of the process's own); the never-written rest costs
+    # nothing though read, and freed blocks give their pages back
+    assert figures["lazy"]["read"] < 64 + 48 and figures["lazy"]["freed"] < 48, figures
+    # default: reading shared memory allocates it, and freed blocks keep their pages for the next
+    assert figures["default"]["read"] >= 1000 and figures["default"]["freed"] >= 500, figures
+
+
+def test_lazy_device_memory_collectives_stage_through_shared_memory():
+    # peers cannot map private device memory: the emulated NCCL copies through shared memory
+    script = ("import torch, torch.distributed as dist\n"
+              "dist.init_process_group('nccl')\n"
+              "r = dist.get_rank()\n"
+              "torch.cuda.set_device(r)\n"
+              "x = torch.full((4 * 2**20,), float(r + 1), device='cuda')\n"
+              "dist.all_reduce(x)\n"
+              "out = torch.empty(2 * 4 * 2**20, device='cuda')\n"
+              "dist.all_gather_into_tensor(out, x)\n"
+              "print('sums', x[0].item(), out.sum().item() / 2**20)\n"
+              "dist.destroy_process_group()\n")
+    result = mirage("run", "--gpus-per-node", "2", "--nproc-per-node", "2", "--quiet", "--lazy-device-memory",
+                    "--env", "NCCL_DEBUG=INFO", "--", "python", "-c", script)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("sums 3.0 24.0") == 2, result.stdout
+    assert "P2P direct copies" not in result.stdout + result.stderr

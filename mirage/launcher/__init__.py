@@ -72,6 +72,7 @@ class RunRequest:
     virtual_clock: bool = False          # the workload's time.* follow the predicted clock
     timing_tuning: str | None = None     # a TOML file overriding the model's numbers
     predict_only: bool = False           # place kernels on the timeline without running them
+    lazy_device_memory: bool = False     # device memory is host memory only where written
     faults: list[str] = field(default_factory=list)  # --fault specs (mirage/launcher/faults.py)
     faults_file: str | None = None       # --faults FILE
     seed: int | None = None              # draws the counts of faults at 'random'
@@ -388,6 +389,8 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
             # Scratch (torchrun's error files, tempfile) lives and dies with the session.
             "TMPDIR": str(scratch),
         }
+        if request.lazy_device_memory:
+            emulator["MIRAGE_LAZY_DEVICE_MEMORY"] = "1"
         if request.timing:
             timing_dir.mkdir(mode=0o700)
             emulator.update({"MIRAGE_TIMING": "1", "MIRAGE_TIMING_DIR": str(timing_dir)})

@@ -24,6 +24,9 @@ struct Config {
   int64_t capacity = 0;      // bytes per device
   int64_t context_bytes = 0; // a process's GPU context on a device (its non-PyTorch memory)
   bool amd = true;           // message wording: "HIP out of memory" vs "CUDA out of memory"
+  // --lazy-device-memory: device blocks are private memory that costs the host nothing until
+  // written, and their pages go back when freed (shared_device_memory.cpp).
+  bool lazy_memory = false;
   Config() {
     // MIRAGE_VISIBLE_GPUS: the node's GPUs after *_VISIBLE_DEVICES, in order, set by
     // mirage/runtime/boot.py before it loads the shim (torch.cuda reads the same list).
@@ -39,6 +42,7 @@ struct Config {
     if (const char* c = std::getenv("MIRAGE_GPU_MEMORY_BYTES")) capacity = std::strtoll(c, nullptr, 10);
     if (const char* c = std::getenv("MIRAGE_CONTEXT_BYTES")) context_bytes = std::strtoll(c, nullptr, 10);
     if (const char* v = std::getenv("MIRAGE_VENDOR")) amd = std::strcmp(v, "nvidia") != 0;
+    if (const char* v = std::getenv("MIRAGE_LAZY_DEVICE_MEMORY")) lazy_memory = *v != '\0';
   }
 };
 

@@ -2,6 +2,8 @@
 
 #include "shared_device_memory.h"
 
+#include "config.h"
+
 #include <c10/core/impl/alloc_cpu.h>
 
 #include <fcntl.h>
@@ -21,13 +23,23 @@ namespace {
 
 constexpr size_t kGranule = size_t{64} << 10;  // allocation unit; the first one holds the id
 constexpr size_t kMaxCapacity = size_t{1} << 40;
+// --lazy-device-memory: the address space of every device of a node (8 x 192 GB and more), which
+// costs nothing until written, so the emulated GPUs may hold more than the host has.
+constexpr size_t kLazyCapacity = size_t{1} << 42;
 // A freed block this large gives its pages back to the host at once (as glibc unmaps its large
 // chunks); smaller ones keep them for the next block placed there, so a training loop's
 // recurring allocations do not fault their pages in again (nor on the peers that map them).
 constexpr size_t kReturnPagesBytes = size_t{32} << 20;
 
 // One memfd, mapped whole, carved best-fit. Only the address space is reserved up front: the
-// file is sparse, and its pages are host memory only once written.
+// file is sparse, and its pages are host memory only once touched (read or written: a read of
+// shared memory allocates the page too).
+//
+// --lazy-device-memory makes it private anonymous memory instead: a page never written reads as
+// zeros (the kernel's zero page) and costs nothing even when read, as a predicted run's kernels
+// and collectives read results never computed; and every freed block's pages go back at once, so
+// the host holds what is live and written. The price: peers cannot map it (the emulated NCCL then
+// stages every message through shared memory), and a recurring block faults its pages in anew.
 class Arena {
  public:
   // The process's arena, or null where memfd or the mapping is refused (then the heap serves).
@@ -79,7 +91,9 @@ class Arena {
     if (it == live_.end()) return;
     size_t len = it->second;
     live_.erase(it);
-    if (len >= kReturnPagesBytes) {
+    if (!shared_) {
+      madvise(base_ + offset, len, MADV_DONTNEED);  // private: the range reads as zeros again
+    } else if (len >= kReturnPagesBytes) {
       fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(offset), static_cast<off_t>(len));
     }
     // Merge with free neighbours; a range that reaches the end moves the end back.
@@ -104,15 +118,27 @@ class Arena {
     }
   }
 
+  // What peers map; nothing (all zero) for a private arena.
   MirageSharedArena describe() const {
+    if (!shared_) return MirageSharedArena{};
     return {static_cast<int64_t>(owner_), fd_, 0, id_, reinterpret_cast<uint64_t>(base_), capacity_};
   }
 
  private:
   Arena(int fd, char* base, size_t capacity, uint64_t id)
-      : owner_(getpid()), fd_(fd), base_(base), capacity_(capacity), id_(id) {}
+      : owner_(getpid()), shared_(fd >= 0), fd_(fd), base_(base), capacity_(capacity), id_(id) {}
 
-  static Arena* create() {
+  static Arena* create() { return config().lazy_memory ? create_private() : create_shared(); }
+
+  // --lazy-device-memory's arena: address space only (MAP_NORESERVE: no commit charge either).
+  static Arena* create_private() {
+    void* base = mmap(nullptr, kLazyCapacity, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                      -1, 0);
+    if (base == MAP_FAILED) return nullptr;
+    return new Arena(-1, static_cast<char*>(base), kLazyCapacity, 0);  // lives as long as the process
+  }
+
+  static Arena* create_shared() {
     const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
     if (pages <= 0 || page <= 0) return nullptr;
     // Twice the host's memory: more could never be backed, and every peer maps it too.
@@ -146,6 +172,7 @@ class Arena {
   }
 
   const pid_t owner_;
+  const bool shared_;  // a memfd peers map; else private anonymous memory (--lazy-device-memory)
   const int fd_;
   char* const base_;
   const size_t capacity_;

@@ -9,6 +9,10 @@
 // with the last process that maps it). Smaller blocks stay ordinary heap memory, where they are
 // cheaper to allocate and no collective would gain from a direct copy.
 //
+// With --lazy-device-memory (MIRAGE_LAZY_DEVICE_MEMORY) the arena is private anonymous memory
+// instead, which peers cannot map (mirage_shared_arena() says none): the host then holds only the
+// pages of live blocks that were written, whatever the emulated GPUs hold.
+//
 // The C interface below is what the emulated NCCL backend (a separate module, mirage/nccl) reads
 // through dlsym: the shim is loaded with RTLD_GLOBAL.
 #pragma once
