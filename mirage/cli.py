@@ -3,6 +3,7 @@
 Usage:
     mirage run [--profile P] [--gpus-per-node N] [--num-nodes M] [--nproc-per-node K]
                [--timing [--trace PATH] [--virtual-clock] [--timing-tuning FILE] [--predict-only]]
+               [--isolate-nodes | --no-isolate-nodes] [--node-hostname PATTERN] [--image NAME]
                [--lazy-device-memory] [--env K=V]... [--workdir DIR] [--clear-env-vars] -- CMD ARGS...
     mirage node [--rdzv-port P] [--rdzv-timeout S] [run flags] -- CMD ARGS...
                                                once per host, under Slurm's srun: one cluster
@@ -83,6 +84,9 @@ def _build_parser() -> _Parser:
                            help="every emulated node shares this host's hostname, network and /dev/shm")
     run.add_argument("--node-hostname", default=nodes.HOSTNAME_PATTERN, metavar="PATTERN",
                      help="isolated nodes' hostnames, {node} the node's index (default node{node})")
+    run.add_argument("--image", metavar="NAME",
+                     help="run each node's processes in a podman container of image NAME, joined to the node's "
+                          "namespaces (implies --isolate-nodes; root, podman; see scripts/podman_image.sh)")
     run.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                      help="set a variable in the workload's environment (repeatable)")
     run.add_argument("--workdir", metavar="DIR", help="run the command in DIR")
@@ -251,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             trace=args.trace, virtual_clock=args.virtual_clock, timing_tuning=args.timing_tuning,
             predict_only=args.predict_only, lazy_device_memory=args.lazy_device_memory, faults=args.fault,
             faults_file=args.faults, seed=args.seed, isolate_nodes=args.isolate_nodes,
-            node_hostname=args.node_hostname,
+            node_hostname=args.node_hostname, image=args.image,
         )
         try:
             if rendezvous is not None:

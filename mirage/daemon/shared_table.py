@@ -21,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +38,18 @@ PREFIX = "mirage-"
 def segments(session_id: str) -> list[Path]:
     """The session's named /dev/shm segments that remain: collective segments a rank left by dying
     before every peer mapped them (mirage/nccl/shm_transport.cpp) and CUDA IPC segments
-    (mirage/shim/cuda_ipc.cpp), all named after the session (the owner's uid keeps users apart)."""
+    (mirage/shim/cuda_ipc.cpp), all named after the session (the owner's uid keeps users apart);
+    with --image, each node's /dev/shm folder (`.node<k>`) too."""
     return sorted(SHM_DIR.glob(f"{PREFIX}{os.getuid()}-{session_id}.*"))
+
+
+def remove(segment: Path) -> None:
+    """Removes one of segments(): a file, or a folder (a node's /dev/shm under --image,
+    launcher/containers.py) with everything in it."""
+    if segment.is_dir() and not segment.is_symlink():
+        shutil.rmtree(segment, ignore_errors=True)
+    else:
+        segment.unlink(missing_ok=True)
 
 
 @dataclass

@@ -28,7 +28,7 @@ from mirage.launcher import environment
 from mirage.daemon import shared_table
 from mirage.daemon.flight_recorder import FlightRecorder
 from mirage.daemon.service import SessionService
-from mirage.launcher import cluster as clusters, faults as fault_specs, nodes, summary, timing_report
+from mirage.launcher import cluster as clusters, containers, faults as fault_specs, nodes, summary, timing_report
 from mirage.launcher.supervisor import Supervisor, start_reaper, stdin_has_input, write_or_discard
 from mirage.runtime import visible_devices
 from mirage.shim import build as shim_build
@@ -78,6 +78,7 @@ class RunRequest:
     seed: int | None = None              # draws the counts of faults at 'random'
     isolate_nodes: bool | None = None    # namespaces per node (launcher/nodes.py); None: where possible
     node_hostname: str = nodes.HOSTNAME_PATTERN
+    image: str | None = None             # each node's processes in podman containers (launcher/containers.py)
 
 
 def runtime_root() -> Path:
@@ -153,11 +154,28 @@ def validate(request: RunRequest) -> tuple[profiles.Profile, int]:
         nodes.hostnames(request.node_hostname, request.num_nodes)
     except ValueError as err:
         raise UsageError(str(err)) from None
+    if request.image is not None:
+        _validate_image(request)
     if request.isolate_nodes and (reason := nodes.unavailable_reason()):
         raise UsageError(f"--isolate-nodes: {reason}. Fix: run mirage as root with util-linux and iproute2, "
                          "or drop --isolate-nodes (the nodes then share this host's network)")
     check_torch_is_cpu_build()
     return profile, gpus
+
+
+def _validate_image(request: RunRequest) -> None:
+    """--image: containers joined to isolated nodes' namespaces; refused before anything starts
+    where that cannot work."""
+    if request.isolate_nodes is False:
+        raise UsageError("--image runs each node's processes in a container joined to the node's own namespaces, "
+                         "so it needs isolated nodes. Fix: drop --no-isolate-nodes")
+    if not request.image:
+        raise UsageError("--image needs an image name, e.g. --image localhost/mirage-node:test")
+    if reason := containers.unavailable_reason(request.image):
+        raise UsageError(f"--image {request.image}: {reason}")
+    if reason := nodes.unavailable_reason():
+        raise UsageError(f"--image needs isolated nodes, and {reason}. Fix: run mirage as root with util-linux "
+                         "and iproute2")
 
 
 def _validate_timing(request: RunRequest, profile: profiles.Profile) -> None:
@@ -299,19 +317,22 @@ def _isolate(request: RunRequest, session_id: str, session_dir: Path) -> nodes.N
     """Puts each emulated node in namespaces of its own (launcher/nodes.py) when asked, or by
     default for several nodes; where the machine cannot, an explicit --isolate-nodes is an error
     and the default says once why the nodes share this host."""
-    wanted = request.isolate_nodes if request.isolate_nodes is not None else request.num_nodes > 1
+    explicit = request.isolate_nodes or request.image is not None
+    wanted = explicit or (request.isolate_nodes is None and request.num_nodes > 1)
     if not wanted:
         return None
     reason = nodes.unavailable_reason()
     if reason is None:
         namespaces = nodes.NodeNamespaces(session_id, nodes.hostnames(request.node_hostname, request.num_nodes))
+        if request.image is not None:  # a container cannot join the node's mount namespace: host folders
+            namespaces.shm_dirs = [containers.node_shm_dir(session_id, node) for node in range(request.num_nodes)]
         try:
             namespaces.start(session_dir)
             return namespaces
         except nodes.IsolationError as err:
             reason = f"the kernel refused: {err}"
-    if request.isolate_nodes:
-        raise LaunchError(f"--isolate-nodes: {reason}. Fix: run where namespaces can be created (root, or a "
+    if explicit:
+        raise LaunchError(f"{'--image' if request.image is not None else '--isolate-nodes'}: {reason}. Fix: run where namespaces can be created (root, or a "
                           "container started with --privileged), or drop --isolate-nodes")
     narrate(f"the {request.num_nodes} emulated nodes share this host's hostname, network and /dev/shm ({reason}); "
             "--no-isolate-nodes asks for that without this note")
@@ -321,6 +342,9 @@ def _isolate(request: RunRequest, session_id: str, session_dir: Path) -> nodes.N
 def run_node(request: RunRequest, rdzv_port: int | None, rdzv_timeout: float) -> int:
     """`mirage node`: this host's share of a cluster across hosts started by Slurm
     (launcher/cluster.py); returns the exit code of this host's workload."""
+    if request.image is not None:
+        raise UsageError("--image applies to mirage run on one host; across hosts, run mirage node in the image "
+                         "itself (srun --container-image=..., or your site's container wrapper)")
     if request.isolate_nodes:
         raise UsageError("--isolate-nodes applies to mirage run on one host; across hosts each host is a machine "
                          "of its own already (drop --isolate-nodes)")
@@ -359,6 +383,7 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
     started = time.time()
     timer: fault_specs.FaultTimer | None = None
     namespaces: nodes.NodeNamespaces | None = None
+    in_image: containers.NodeContainers | None = None
     seed = request.seed if request.seed is not None else secrets.randbelow(2**31)
     faults = fault_specs.load(request.faults, request.faults_file, seed, request.num_nodes * gpus, request.num_nodes,
                               request.timing)
@@ -368,6 +393,13 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
         shim = ensure_shim()
         scratch = session_dir / "tmp"
         scratch.mkdir(mode=0o700)
+        if request.image is not None:
+            cache = shim_build.cache_root().resolve()
+            try:
+                image_shim, image_nccl = containers.prepare(request.image, cache, narrate)
+            except containers.ImageError as err:
+                raise LaunchError(str(err)) from None
+            in_image = containers.NodeContainers(request.image, session_id, session_dir, cache, image_shim, image_nccl)
         namespaces = _isolate(request, session_id, session_dir)
         head = cluster.head_address if cluster else namespaces.addresses[0] if namespaces else HEAD_ADDR
         timing_dir = session_dir / "timing"
@@ -376,7 +408,7 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
         if local_nodes:
             processes = [place for place in processes if place.node in local_nodes]
         narrate(f"session {session_id} ({request.num_nodes} node(s) x {gpus} x {profile.torch_name}, "
-                f"{len(processes)} process(es))")
+                f"{len(processes)} process(es)" + (f", in containers of image {request.image})" if in_image else ")"))
         emulator = {
             "MIRAGE_SHIM_PATH": str(shim),
             "MIRAGE_NCCL_PATH": str(shim_build.nccl_module_path()),
@@ -462,9 +494,15 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
             )
             if place.rank == 0:
                 _warn_if_every_gpu_hidden(env, gpus, profile.is_amd)
+            if in_image and namespaces:
+                argv = in_image.argv(place.node, place.rank, namespaces.node_pid(place.node), request.command, env, user,
+                                     request.workdir, interactive=single)
+            elif namespaces:
+                argv = namespaces.enter(place.node, request.command, request.workdir)
+            else:
+                argv = request.command
             try:
-                supervisor.start(namespaces.enter(place.node, request.command, request.workdir) if namespaces else request.command,
-                                 env, request.workdir, label=None if single else str(place.rank))
+                supervisor.start(argv, env, request.workdir, label=None if single else str(place.rank))
             except FileNotFoundError:
                 narrate(f"command not found: {request.command[0]}")
                 exit_code = 127
@@ -486,6 +524,8 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
         if cluster is not None:
             cluster.stop_sharing()
         supervisor.teardown()
+        if in_image is not None:
+            containers.remove_containers(session_dir)
         if namespaces is not None:
             namespaces.close()
         timing = _finish_timing(request, profile, session_dir / "timing")
@@ -505,4 +545,4 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
         # Communicator segments a rank left mapped-by-one-side only (it died, or its peer never
         # came): gone with the session, with or without a service (--in-process).
         for segment in shared_table.segments(session_id):
-            segment.unlink(missing_ok=True)
+            shared_table.remove(segment)

@@ -47,12 +47,15 @@ TOOLS = ("unshare", "nsenter", "ip")
 READY_TIMEOUT_SECONDS = 20.0
 EXEC_TARGET = "MIRAGE_EXEC_NAMESPACES"  # `mirage exec`: the pid holding its node's namespaces
 
-# Runs in the node's new namespaces: become the node, then hold them until killed. sysfs shows
+# Runs in the node's new namespaces: become the node, then hold them until killed. Its /dev/shm
+# is a fresh tmpfs ($2 its size), or a host folder ($2 its path) that containers of the node
+# mount too (--image: a container cannot join the node's mount namespace). sysfs shows
 # the network devices of the namespace that mounted it, so the node's /sys/class/net (NCCL and
 # users read interfaces and their counters there) comes from a sysfs mounted inside the node,
 # bound over the host's; the rest of /sys (cgroups included) stays the host's.
 NODE_HOLDER = (
-    'hostname "$1" && mount -t tmpfs -o mode=1777,size="$2" mirage-shm /dev/shm && '
+    'hostname "$1" && case "$2" in /*) mount --bind "$2" /dev/shm ;; '
+    '*) mount -t tmpfs -o mode=1777,size="$2" mirage-shm /dev/shm ;; esac && '
     'mount --bind "$3" /etc/hosts && ip link set lo up && mkdir "$4" && mount -t sysfs mirage-sys "$4" && '
     'mount --bind "$4/class/net" /sys/class/net && mount --bind "$4/devices/virtual/net" /sys/devices/virtual/net && '
     'umount -l "$4" && echo ready && exec sleep infinity </dev/null >/dev/null 2>&1'
@@ -107,6 +110,9 @@ class NodeNamespaces:
     session_id: str
     names: list[str]
     holders: list[subprocess.Popen] = field(default_factory=list)  # node holders, then the switch
+    # Each node's /dev/shm as a host folder (made here, removed by the session's cleanup with its
+    # segments), instead of a tmpfs private to the node; for containers (launcher/containers.py).
+    shm_dirs: list[Path] | None = None
 
     @property
     def addresses(self) -> list[str]:
@@ -131,12 +137,16 @@ class NodeNamespaces:
                          + "".join(f"{address}\t{name}\n::ffff:{address}\t{name}\n"
                                    for address, name in zip(self.addresses, self.names)))
         shm_size = str(_host_shm_bytes())
+        for folder in self.shm_dirs or []:
+            folder.mkdir(exist_ok=True)
+            folder.chmod(0o1777)  # as a tmpfs /dev/shm
         environment = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
                        "MIRAGE_SESSION": self.session_id}
         try:
-            for name in self.names:
+            for node, name in enumerate(self.names):
+                shm = str(self.shm_dirs[node]) if self.shm_dirs else shm_size
                 self.holders.append(self._hold(["--net", "--uts", "--ipc", "--mount", "--propagation", "private"],
-                                               NODE_HOLDER, [name, shm_size, str(hosts), str(session_dir / f"sys-{name}")],
+                                               NODE_HOLDER, [name, shm, str(hosts), str(session_dir / f"sys-{name}")],
                                                environment))
             switch = self._hold(["--net"], SWITCH_HOLDER, [], environment)
             self.holders.append(switch)

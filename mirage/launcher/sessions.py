@@ -25,7 +25,7 @@ from pathlib import Path
 from mirage.daemon import shared_table
 from mirage.daemon.protocol import SOCKET_NAME
 from mirage.daemon.service import request
-from mirage.launcher import RUN_PID_NAME, nodes, process_start_time, runtime_root
+from mirage.launcher import RUN_PID_NAME, containers, nodes, process_start_time, runtime_root
 from mirage.launcher.supervisor import session_processes
 from mirage.shim.build import cache_root
 
@@ -180,9 +180,10 @@ def reap_after_run(session_dir: Path) -> None:
             except ProcessLookupError:
                 pass
         time.sleep(0.1)
+    containers.remove_containers(session_dir)  # --image: what podman still lists of the session
     shutil.rmtree(session_dir, ignore_errors=True)
     for segment in shared_table.segments(session_id):
-        segment.unlink(missing_ok=True)
+        shared_table.remove(segment)
 
 
 def _reclaimable() -> list[tuple[str, object]]:
@@ -196,13 +197,16 @@ def _reclaimable() -> list[tuple[str, object]]:
         for pid in session_processes(session_id):
             actions.append((f"kill process {pid} (session {session_id})", lambda pid=pid: os.kill(pid, signal.SIGKILL)))
         directory = runtime_root() / session_id
+        if (directory / containers.CONTAINERS_FILE).exists():
+            actions.append((f"remove the containers of session {session_id} (podman rm -f)",
+                            lambda d=directory: containers.remove_containers(d)))
         actions.append((f"remove {directory}", lambda d=directory: shutil.rmtree(d, ignore_errors=True)))
     for segment in sorted(shared_table.SHM_DIR.glob(f"{shared_table.PREFIX}{os.getuid()}-*")):
         # mirage-<uid>-<session>.collectives-<id> (or .ipc-...; the table of an older mirage)
         session_id = segment.name.split("-", 2)[2].split(".", 1)[0]
         directory = runtime_root() / session_id
         if session_id in stale_ids or not directory.is_dir() or not _run_alive(directory):
-            actions.append((f"remove {segment}", lambda t=segment: t.unlink(missing_ok=True)))
+            actions.append((f"remove {segment}", lambda t=segment: shared_table.remove(t)))
     return actions
 
 

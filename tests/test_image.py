@@ -1,0 +1,116 @@
+"""`mirage run --image NAME` (launcher/containers.py): each node's processes in podman containers
+joined to the node's namespaces. The runs need root, podman and the image (MIRAGE_TEST_IMAGE,
+default localhost/mirage-node:test, which scripts/podman_image.sh builds in ~5 min; its first
+run also builds the shim inside the image, ~6 min on 2 cores); without them they are skipped,
+saying so. The refusals need no image."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, mirage
+from mirage.launcher import containers, nodes
+
+IMAGE = os.environ.get("MIRAGE_TEST_IMAGE", "localhost/mirage-node:test")
+HAS_PODMAN = shutil.which("podman") is not None
+_reason = containers.unavailable_reason(IMAGE) or nodes.unavailable_reason()
+needs_image = pytest.mark.skipif(_reason is not None, reason=f"--image {IMAGE} cannot run here: {_reason} "
+                                 "(scripts/podman_image.sh installs podman and builds the image)")
+IMAGE_TORCH = "/usr/local/lib/python3.11/dist-packages/torch/"  # where the image's pip put torch
+
+SMOKE = ("import socket, runpy, torch; print('where', socket.gethostname(), torch.__file__, flush=True); "
+         "runpy.run_path('tests/fixtures/ml/dist_smoke.py', run_name='__main__')")
+
+
+def session_leftovers(session: str) -> list[str]:
+    """What a session could leave: processes carrying it, its containers, its /dev/shm folders."""
+    marker = f"MIRAGE_SESSION={session}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(f"process {entry.name}")
+        except OSError:
+            pass
+    listed = subprocess.run(["podman", "ps", "-a", "--format", "{{.Names}}"], capture_output=True, text=True).stdout
+    found += [f"container {name}" for name in listed.split() if session in name]
+    found += [f"shm {path}" for path in Path("/dev/shm").glob(f"mirage-*{session}*")]
+    return found
+
+
+@needs_image
+def test_two_nodes_run_in_the_image_with_their_hostnames_and_nccl_across_eth0():
+    result = mirage("run", "--quiet", "--image", IMAGE, "--num-nodes", "2", "--gpus-per-node", "1",
+                    "--", "python", "-c", SMOKE)
+    assert result.returncode == 0, result.stderr[-4000:]
+    where = sorted(line.split("] ", 1)[1].split()[1:] for line in result.stdout.splitlines() if "] where " in line)
+    assert [hostname for hostname, _ in where] == ["node0", "node1"]
+    assert all(torch_file.startswith(IMAGE_TORCH) for _, torch_file in where), where  # the image's torch
+    assert "dist_smoke_ok" in result.stdout and "all_reduce sum = 3 (expected 3) on 2 ranks" in result.stdout
+    assert "in containers of image" in result.stderr
+    session = result.stderr.split("session ", 1)[1].split()[0]
+    assert session_leftovers(session) == []
+
+
+@needs_image
+def test_containers_of_a_node_share_its_shm_and_exit_codes_pass_through():
+    # Two ranks of one node, each in its own container: the node's /dev/shm (a host folder both
+    # mount) is the same for both, and the emulated NCCL between them goes through it.
+    result = mirage("run", "--quiet", "--image", IMAGE, "--gpus-per-node", "2", "--nproc-per-node", "2", "--", "sh", "-c",
+                    "touch /dev/shm/mark-$RANK && python tests/fixtures/ml/dist_smoke.py && ls /dev/shm && hostname")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "dist_smoke_ok" in result.stdout
+    for rank in (0, 1):
+        assert f"[{rank}] mark-0" in result.stdout and f"[{rank}] mark-1" in result.stdout
+        assert f"[{rank}] node0" in result.stdout  # one node is isolated too
+    failed = mirage("run", "--quiet", "--image", IMAGE, "--", "sh", "-c", "exit 7")
+    assert failed.returncode == 7, failed.stderr[-3000:]
+
+
+@needs_image
+def test_sigkill_of_mirage_leaves_no_container_process_or_shm_folder():
+    proc = subprocess.Popen([sys.executable, "-m", "mirage", "run", "--image", IMAGE, "--num-nodes", "2",
+                             "--", "sleep", "600"], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    line = ""
+    while "session " not in line:
+        line = proc.stderr.readline()
+        assert line, "mirage ended before starting its session"
+    session = line.split("session ", 1)[1].split()[0]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and sum(n.startswith("container") for n in session_leftovers(session)) < 2:
+        time.sleep(0.2)
+    assert sum(n.startswith("container") for n in session_leftovers(session)) == 2
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while (left := session_leftovers(session)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left == []
+
+
+def test_a_missing_image_is_refused_before_anything_starts():
+    if not HAS_PODMAN or os.geteuid() != 0:
+        pytest.skip("needs root and podman (the missing-podman refusal is tested instead)")
+    result = mirage("run", "--image", "localhost/no-such-image:0", "--", "true")
+    assert result.returncode == 2
+    assert "no image 'localhost/no-such-image:0'" in result.stderr and "scripts/podman_image.sh" in result.stderr
+    assert "session" not in result.stderr
+
+
+def test_missing_podman_and_no_isolate_nodes_are_refused():
+    env = {**os.environ, "PATH": "/nonexistent"}
+    result = mirage("run", "--image", IMAGE, "--", "true", env=env)
+    assert result.returncode == 2
+    expected = "podman not found" if os.geteuid() == 0 else "needs root"
+    assert expected in result.stderr and ("apt-get install podman runc" in result.stderr or expected == "needs root")
+    result = mirage("run", "--image", IMAGE, "--no-isolate-nodes", "--", "true")
+    assert result.returncode == 2 and "drop --no-isolate-nodes" in result.stderr
