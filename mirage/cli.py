@@ -3,7 +3,7 @@
 Usage:
     mirage run [--profile P] [--gpus-per-node N] [--num-nodes M] [--nproc-per-node K]
                [--timing [--trace PATH] [--virtual-clock] [--timing-tuning FILE] [--predict-only]]
-               [--env K=V]... [--workdir DIR] [--clear-env-vars] -- CMD ARGS...
+               [--env K=V]... [--workdir DIR] [--clear-env-vars] [--no-fork-server] -- CMD ARGS...
     mirage ps [--json]                         live sessions
     mirage smi [--session ID] [--json] [--watch [SECONDS]]
     mirage exec [--session ID] [--node N] -- CMD ARGS...
@@ -100,6 +100,9 @@ def _build_parser() -> _Parser:
                      help="with --timing: a TOML file overriding the profile's timing numbers")
     run.add_argument("--predict-only", action="store_true",
                      help="with --timing: predict without running the kernels (results hold no values)")
+    run.add_argument("--no-fork-server", dest="fork_server", action="store_false",
+                     help="start every Python process on its own instead of forking it from a process "
+                          "that has imported torch (slower start-up, more memory per rank)")
     run.add_argument("--clear-env-vars", action="store_true",
                      help="start from an almost empty environment (PATH, HOME, USER, LANG, ...)")
 
@@ -218,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             env=args.env, workdir=args.workdir, clear_env=args.clear_env_vars, timing=args.timing,
             trace=args.trace, virtual_clock=args.virtual_clock, timing_tuning=args.timing_tuning,
             predict_only=args.predict_only, faults=args.fault, faults_file=args.faults, seed=args.seed,
+            fork_server=args.fork_server,
         )
         try:
             return launcher.run_session(request)

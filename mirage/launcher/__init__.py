@@ -23,8 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mirage import profiles
-from mirage.launcher import environment
+from mirage import forkserver, profiles
+from mirage.forkserver import server as fork_server_process
+from mirage.launcher import capacity, environment
 from mirage.daemon import shared_table
 from mirage.daemon.flight_recorder import FlightRecorder
 from mirage.daemon.service import SessionService
@@ -75,6 +76,7 @@ class RunRequest:
     faults: list[str] = field(default_factory=list)  # --fault specs (mirage/launcher/faults.py)
     faults_file: str | None = None       # --faults FILE
     seed: int | None = None              # draws the counts of faults at 'random'
+    fork_server: bool = True             # Python processes forked from one that imported torch
 
 
 def runtime_root() -> Path:
@@ -147,6 +149,10 @@ def validate(request: RunRequest) -> tuple[profiles.Profile, int]:
         raise UsageError(str(err)) from None
     _validate_timing(request, profile)
     check_torch_is_cpu_build()
+    try:
+        capacity.check(request.command, request.num_nodes, request.nproc_per_node, gpus, request.fork_server)
+    except capacity.CapacityError as err:
+        raise UsageError(str(err)) from None
     return profile, gpus
 
 
@@ -297,6 +303,7 @@ def run_session(request: RunRequest) -> int:
     exit_code = 1
     started = time.time()
     timer: fault_specs.FaultTimer | None = None
+    fork_server: fork_server_process.ForkServer | None = None
     seed = request.seed if request.seed is not None else secrets.randbelow(2**31)
     faults = fault_specs.load(request.faults, request.faults_file, seed, request.num_nodes * gpus, request.num_nodes,
                               request.timing)
@@ -374,6 +381,12 @@ def run_session(request: RunRequest) -> int:
             # libgomp no longer throttles them: tests/test_distributed's 8-rank DDP took 15x longer).
             narrate("setting OMP_NUM_THREADS=1 for each rank, as torchrun does; set it yourself to change it")
             user = {**user, "OMP_NUM_THREADS": "1"}
+        if request.fork_server:  # the session's processes start as forks of it (mirage/forkserver)
+            fork_server = fork_server_process.start(
+                environment.build(emulator=emulator, user=user, clear=request.clear_env,
+                                  identity=identity(session_id, session_dir, processes[0], request.num_nodes, port)),
+                session_dir / forkserver.SOCKET_NAME)
+            emulator[forkserver.SOCKET_ENV] = str(fork_server.socket_path)
         if not single and stdin_has_input():
             narrate("stdin has input, but no rank of a multi-process job reads stdin")
         for place in processes:
@@ -408,6 +421,8 @@ def run_session(request: RunRequest) -> int:
         if timer is not None:
             timer.stopped.set()
         supervisor.teardown()
+        if fork_server is not None:
+            fork_server.stop()
         timing = _finish_timing(request, profile, session_dir / "timing")
         if service is not None:
             service.stop()
