@@ -192,3 +192,26 @@ def test_more_ranks_than_memory_is_refused_before_start_with_the_estimate():
     result = mirage("run", "--no-fork-server", "--num-nodes", "64", "--nproc-per-node", "64", "--gpus-per-node", "64",
                     "--", "python", "-c", "pass")
     assert result.returncode == 2 and "drop --no-fork-server" in result.stderr
+
+
+def test_the_end_of_a_program_keeps_what_the_interpreter_does_at_exit(tmp_path):
+    """A handed-over program ends without tearing down every module (fork's shared pages would
+    be copied), but what a program sees of the interpreter's end still happens."""
+    out = tmp_path / "left-open.txt"
+    script = _script(tmp_path, f"""
+        import atexit, threading, time
+        assert forked_from_server()
+        left_open = open({str(out)!r}, "w")
+        left_open.write("flushed at exit")  # never closed, never flushed by the program
+        def late():
+            time.sleep(0.5)
+            print("non-daemon thread finished", flush=True)
+        threading.Thread(target=late).start()
+        atexit.register(lambda: print("atexit ran"))
+        sys.exit("a message exit")
+    """)
+    result = mirage("run", "--quiet", "--", "python", str(script))
+    assert result.returncode == 1
+    assert result.stdout.splitlines() == ["non-daemon thread finished", "atexit ran"]
+    assert "a message exit" in result.stderr.splitlines()
+    assert out.read_text() == "flushed at exit"

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import NoReturn
 
 from mirage.forkserver import SOCKET_ENV, interpreter
 
@@ -116,7 +117,7 @@ class Handoff:
     torch: ModuleType
     server_threads: str | None
 
-    def take_over(self) -> None:
+    def take_over(self) -> NoReturn:
         os.setsid()  # a session of its own: no terminal of the server's, its own group to signal
         _install_fds(self.fds, self.request["fds"])
         for name, (soft, hard) in self.request["rlimits"].items():
