@@ -30,4 +30,4 @@ server itself); a process without it starts normally, which is how a workload op
 """
 
 SOCKET_ENV = "MIRAGE_FORK_SERVER"
-SOCKET_NAME = "forkserver.sock"
+SOCKET_NAME = "fork.sock"  # shorter than the daemon's mirage.sock: a Unix socket path has 107 bytes

@@ -50,9 +50,11 @@ PRELOADED_MODULES = (
 )
 # Variables that say which process this is: a child takes them from its waiter; the server's
 # own environment (what /proc/<child>/environ shows, and what launcher/faults.py reads to find
-# a rank's processes) must not name a rank, so that only the waiter does.
+# a rank's processes) must not name a rank, so that only the waiter does. Without MIRAGE_SHM the
+# shim does not take a slot in the session's memory table for the server; each child takes its
+# own (boot.complete_forked_process).
 PROCESS_IDENTITY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-                    "MIRAGE_NODE_RANK", "NCCL_HOSTID", SOCKET_ENV)
+                    "MIRAGE_NODE_RANK", "NCCL_HOSTID", "MIRAGE_SHM", SOCKET_ENV)
 
 
 @dataclass

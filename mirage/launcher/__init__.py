@@ -382,11 +382,14 @@ def run_session(request: RunRequest) -> int:
             narrate("setting OMP_NUM_THREADS=1 for each rank, as torchrun does; set it yourself to change it")
             user = {**user, "OMP_NUM_THREADS": "1"}
         if request.fork_server:  # the session's processes start as forks of it (mirage/forkserver)
-            fork_server = fork_server_process.start(
-                environment.build(emulator=emulator, user=user, clear=request.clear_env,
-                                  identity=identity(session_id, session_dir, processes[0], request.num_nodes, port)),
-                session_dir / forkserver.SOCKET_NAME)
-            emulator[forkserver.SOCKET_ENV] = str(fork_server.socket_path)
+            try:
+                fork_server = fork_server_process.start(
+                    environment.build(emulator=emulator, user=user, clear=request.clear_env,
+                                      identity=identity(session_id, session_dir, processes[0], request.num_nodes, port)),
+                    session_dir / forkserver.SOCKET_NAME)
+                emulator[forkserver.SOCKET_ENV] = str(fork_server.socket_path)
+            except OSError as err:
+                narrate(f"the fork server could not start ({err}); every process starts on its own")
         if not single and stdin_has_input():
             narrate("stdin has input, but no rank of a multi-process job reads stdin")
         for place in processes:

@@ -80,6 +80,11 @@ def complete_forked_process(torch: ModuleType) -> None:
     from mirage.runtime import session, torch_cuda
 
     _export_for_shim()
+    # What the shim reads from the environment when it loads, read again for this process:
+    # its slot in the session's memory table (node, rank) and its rank's faults.
+    shim = ctypes.CDLL(os.environ["MIRAGE_SHIM_PATH"])
+    shim.mirage_attach_session_table()
+    shim.mirage_reload_faults()
     session.attach()
     torch_cuda.install(torch)
 
