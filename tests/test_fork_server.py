@@ -87,6 +87,8 @@ def test_exit_codes_uncaught_errors_and_death_by_signal_pass_through(tmp_path):
     killed = _script(tmp_path, "import signal\nassert forked_from_server()\nos.kill(os.getpid(), signal.SIGTERM)\n",
                      "killed.py")
     assert mirage("run", "--quiet", "--", "python", str(killed)).returncode == 128 + signal.SIGTERM
+    killed.write_text(killed.read_text().replace("SIGTERM", "SIGKILL"))
+    assert mirage("run", "--quiet", "--", "python", str(killed)).returncode == 128 + signal.SIGKILL
 
 
 def test_ranks_output_lines_keep_their_streams_and_labels(tmp_path):

@@ -65,7 +65,10 @@ def hand_off() -> None:
         connection.close()
         return
     connection.settimeout(None)
-    _wait(connection, json.loads(reply)["pid"], fds)
+    try:
+        _wait(connection, json.loads(reply)["pid"], fds)
+    finally:  # the program runs in the child: the waiter must never go on to run it too
+        os._exit(1)
 
 
 def _stdin_is_terminal() -> bool:
@@ -157,7 +160,8 @@ def _wait(connection: socket.socket, child: int, handed_over: list[int]) -> None
 
 def _die_by(signum: int) -> None:
     """Ends this process by `signum`, as its child ended, so the parent sees the same status."""
-    signal.signal(signum, signal.SIG_DFL)
+    if signum not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset
+        signal.signal(signum, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
     os.kill(os.getpid(), signum)
     os._exit(128 + signum)  # a signal whose default is not to end the process

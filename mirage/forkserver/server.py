@@ -279,7 +279,14 @@ def serve(listener: socket.socket) -> Handoff:
                     selector.unregister(connection)
                     connection.close()
                     continue
-                pid = os.fork()
+                try:
+                    pid = os.fork()
+                except OSError:  # no memory or process left: the waiter starts its program itself
+                    for fd in fds:
+                        os.close(fd)
+                    selector.unregister(connection)
+                    connection.close()
+                    continue
                 if pid == 0:
                     # Every socket closed through its object (closing its fd behind its back
                     # would let a later garbage collection close a reused number).
