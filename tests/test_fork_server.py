@@ -184,7 +184,7 @@ def test_no_fork_server_starts_processes_on_their_own(tmp_path):
 
 
 def test_more_ranks_than_memory_is_refused_before_start_with_the_estimate():
-    """4096 ranks (64 nodes x 64) need about 96 GiB by the estimate's figures."""
+    """4096 ranks (64 nodes x 64) need about 128 GiB by the estimate's figures."""
     result = mirage("run", "--num-nodes", "64", "--nproc-per-node", "64", "--gpus-per-node", "64", "--",
                     "python", "-c", "pass")
     assert result.returncode == 2
