@@ -220,7 +220,9 @@ def _shut_down(code: int, by_sigint: bool = False) -> NoReturn:
     threading._shutdown()
     atexit._run_exitfuncs()
     for obj in gc.get_objects():  # the program's own objects (the server's heap is frozen)
-        if isinstance(obj, (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)):
+        # type(), not isinstance(): a weak proxy among them answers isinstance by its referent,
+        # which may be gone (ReferenceError)
+        if issubclass(type(obj), (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)):
             try:
                 if not obj.closed:
                     obj.flush()
