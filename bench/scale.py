@@ -1,56 +1,216 @@
-"""Scale figures: the DDP demo's wall time with 8 ranks, and dist_smoke on 32 emulated GPUs
-(4 nodes x 8) with each rank's peak memory (RSS).
+"""Scale figures with and without the fork server (mirage/forkserver), measured in one run.
 
-    python bench/scale.py
+    python bench/scale.py [--skip-256]
 
-Prints a table and a JSON line; the figures go into docs/benchmarks.md.
+For each case, `mirage run` as it starts by default (the fork server) against
+`mirage run --no-fork-server`, one after the other in the same run:
+
+* 32 and 64 ranks (4 and 8 nodes x 8): start-up, from launch to the moment the last rank has finished its
+  first collective (each rank prints the time it finished its first all_reduce); peak host
+  memory (the largest sum, over the run's process tree, of each process's Pss, sampled every
+  0.5 s); per-rank unique memory (smaps_rollup Private_Dirty + Private_Clean, read by each
+  rank right after that collective; the median over ranks).
+* 8-rank all_reduce bus bandwidth on 64 MiB tensors, the median of three jobs (the fork server
+  must not slow collectives).
+* 256 ranks (32 nodes x 8): dist_smoke and the DDP demo (ddp_mlp.py, 5 steps), wall time and
+  peak host memory.
+
+A case the memory check refuses (mirage/launcher/capacity.py: on a shared machine, the baseline
+may not fit where the fork server does) is reported as refused, with its estimate.
+
+Targets (issue 22): 64-rank start-up <= 5 s, per-rank unique memory <= 50 MB, the 8-rank
+bandwidth not lower than without the server. Prints a table and a JSON line; the figures go into
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# Runs dist_smoke unchanged and reports this rank's peak RSS when the interpreter exits.
-PEAK_REPORTING_SMOKE = (
-    "import atexit, resource, runpy, sys\n"
-    "atexit.register(lambda: print('PEAK_RSS_MB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, flush=True))\n"
-    "sys.argv = ['dist_smoke.py']\n"
-    "runpy.run_path('tests/fixtures/ml/dist_smoke.py', run_name='__main__')\n"
-)
-
-
-def mirage(*args: str) -> tuple[float, subprocess.CompletedProcess]:
+# Each rank: its first collective, then its own unique memory; with BUSBW_MB, all_reduce bus
+# bandwidth over a tensor of that many MiB.
+PROBE = """
+import os, sys, time
+import torch, torch.distributed as dist
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+dist.init_process_group("nccl")
+one = torch.ones(1, device="cuda")
+dist.all_reduce(one)
+first = time.time()
+unique_kb = 0
+for line in open("/proc/self/smaps_rollup"):
+    if line.startswith(("Private_Dirty:", "Private_Clean:")):
+        unique_kb += int(line.split()[1])
+print(f"FIRST_COLLECTIVE {first:.3f} UNIQUE_KB {unique_kb}", flush=True)
+size_mb = int(os.environ.get("BUSBW_MB", "0"))
+if size_mb:
+    data = torch.ones(size_mb << 18, device="cuda")
+    for _ in range(2):
+        dist.all_reduce(data)
+    dist.barrier()
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "mirage", "run", *args], cwd=REPO, capture_output=True, text=True)
-    elapsed = time.perf_counter() - start
-    if result.returncode != 0:
-        sys.exit(f"mirage run {' '.join(args)} failed:\n{result.stderr[-3000:]}")
-    return elapsed, result
+    for _ in range(10):
+        dist.all_reduce(data)
+    dist.barrier()
+    seconds = (time.perf_counter() - start) / 10
+    if rank == 0:
+        print(f"BUSBW_GBS {(size_mb << 20) / seconds * 2 * (world - 1) / world / 1e9:.3f}", flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+class TreeMemory(threading.Thread):
+    """Samples the summed Pss of a process and all its descendants; keeps the largest."""
+
+    def __init__(self, root: int) -> None:
+        super().__init__(daemon=True)
+        self.root, self.peak_kb, self.stopped = root, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(0.5):
+            self.peak_kb = max(self.peak_kb, self._sample())
+
+    def _sample(self) -> int:
+        children: dict[int, list[int]] = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+                children.setdefault(parent, []).append(int(entry.name))
+        total, todo = 0, [self.root]
+        while todo:
+            pid = todo.pop()
+            todo.extend(children.get(pid, []))
+            try:
+                for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1])
+            except OSError:
+                continue
+        return total
+
+
+def mirage(args: list[str], env: dict[str, str] | None = None) -> dict:
+    """One `mirage run`: wall time, peak tree memory, output (exit code checked by the caller)."""
+    start = time.time()
+    process = subprocess.Popen([sys.executable, "-m", "mirage", "run", "--quiet", *args], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    sampler = TreeMemory(process.pid)
+    sampler.start()
+    stdout, stderr = process.communicate()
+    sampler.stopped.set()
+    return {"start": start, "wall_s": time.time() - start, "peak_gib": sampler.peak_kb / 2**20,
+            "code": process.returncode, "stdout": stdout, "stderr": stderr}
+
+
+class CaseFailed(Exception):
+    """A case whose `mirage run` failed: reported with its exit code, the other cases still run."""
+
+
+def checked(result: dict, what: str) -> dict:
+    if result["code"] != 0:
+        lines = [line for line in result["stderr"].splitlines() if "starting node" not in line]
+        raise CaseFailed(f"{what} failed (exit {result['code']}): " + " | ".join(lines[-4:]))
+    return result
+
+
+def refusal(result: dict) -> dict | None:
+    """The memory check's refusal (exit 2), kept as a figure: on a shared machine the baseline
+    may not fit where the fork server does."""
+    if result["code"] != 2:
+        return None
+    return {"refused": next((line for line in result["stderr"].splitlines() if "cannot hold" in line),
+                            result["stderr"]).strip()}
+
+
+def startup_case(probe: Path, server: bool, nodes: int) -> dict:
+    flags = [] if server else ["--no-fork-server"]
+    result = mirage([*flags, "--num-nodes", str(nodes), "--nproc-per-node", "8", "--gpus-per-node", "8", "--",
+                     "python", str(probe)])
+    refused = refusal(result)
+    if refused:
+        return refused
+    checked(result, f"{nodes * 8}-rank start-up")
+    firsts, uniques = [], []
+    for line in result["stdout"].splitlines():
+        if "FIRST_COLLECTIVE" in line:
+            fields = line.split()
+            firsts.append(float(fields[fields.index("FIRST_COLLECTIVE") + 1]))
+            uniques.append(int(fields[fields.index("UNIQUE_KB") + 1]) / 1024)
+    assert len(firsts) == nodes * 8, result["stdout"][-2000:]
+    return {"startup_s": round(max(firsts) - result["start"], 2), "wall_s": round(result["wall_s"], 1),
+            "peak_gib": round(result["peak_gib"], 2), "unique_mb_median": round(statistics.median(uniques), 1),
+            "unique_mb_max": round(max(uniques), 1)}
+
+
+def busbw_case(probe: Path, server: bool) -> float:
+    """The median of three jobs (one job's figure moves with the machine's other load)."""
+    flags = [] if server else ["--no-fork-server"]
+    figures = []
+    for _ in range(3):
+        result = checked(mirage([*flags, "--nproc-per-node", "8", "--gpus-per-node", "8", "--env", "BUSBW_MB=64",
+                                 "--", "python", str(probe)]), "8-rank bandwidth")
+        figures.append(next(float(line.split()[-1]) for line in result["stdout"].splitlines() if "BUSBW_GBS" in line))
+    return statistics.median(figures)
+
+
+def big_case(server: bool, workload: str) -> dict:
+    flags = [] if server else ["--no-fork-server"]
+    command = (["python", "tests/fixtures/ml/dist_smoke.py"] if workload == "dist_smoke"
+               else ["python", "tests/fixtures/ml/ddp_mlp.py"])
+    result = mirage([*flags, "--num-nodes", "32", "--nproc-per-node", "8", "--gpus-per-node", "8",
+                     "--env", "STEPS=5", "--", *command])
+    refused = refusal(result)
+    if refused:
+        return refused
+    checked(result, f"256-rank {workload}")
+    if workload == "dist_smoke":
+        assert "dist_smoke_ok" in result["stdout"], result["stdout"][-2000:]
+    return {"wall_s": round(result["wall_s"], 1), "peak_gib": round(result["peak_gib"], 2)}
+
+
+def measured(name: str, case, *args) -> object:
+    """Runs one case, printing its figure at once (a long run is not lost to a later failure)."""
+    try:
+        figure = case(*args)
+    except CaseFailed as failure:
+        figure = {"failed": str(failure)}
+    print(f"{name}: {json.dumps(figure)}", flush=True)
+    return figure
 
 
 def main() -> None:
-    ddp_seconds, _ = mirage("--gpus-per-node", "8", "--", "torchrun", "--standalone", "--nproc_per_node=8",
-                            "tests/fixtures/ml/ddp_mlp.py")
-    smoke_seconds, smoke = mirage("--num-nodes", "4", "--nproc-per-node", "8", "--gpus-per-node", "8", "--",
-                                  "python", "-c", PEAK_REPORTING_SMOKE)
-    peaks = [float(line.split()[-1]) for line in smoke.stdout.splitlines() if "PEAK_RSS_MB" in line]
-    assert "dist_smoke_ok" in smoke.stdout and len(peaks) == 32, smoke.stdout[-2000:]
-    figures = {
-        "ddp_demo_8_ranks_wall_s": round(ddp_seconds, 1),
-        "dist_smoke_32_gpus_wall_s": round(smoke_seconds, 1),
-        "peak_rss_per_rank_mb": {"min": round(min(peaks)), "median": round(statistics.median(peaks)),
-                                 "max": round(max(peaks)), "sum": round(sum(peaks))},
-    }
-    print(f"DDP demo, 8 ranks via torchrun:   {ddp_seconds:.1f} s wall")
-    print(f"dist_smoke, 4 nodes x 8 GPUs:     {smoke_seconds:.1f} s wall")
-    print(f"peak RSS per rank (MB):           min {min(peaks):.0f}, median {statistics.median(peaks):.0f}, "
-          f"max {max(peaks):.0f} (all 32: {sum(peaks) / 1024:.1f} GiB)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--skip-256", action="store_true", help="only the 32-, 64- and 8-rank cases")
+    args = parser.parse_args()
+    figures: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        probe = Path(folder) / "probe.py"
+        probe.write_text(PROBE)
+        for server in (True, False):
+            name = "fork_server" if server else "no_fork_server"
+            figures[name] = {
+                "32_ranks": measured(f"{name} 32 ranks", startup_case, probe, server, 4),
+                "64_ranks": measured(f"{name} 64 ranks", startup_case, probe, server, 8),
+                "8_rank_busbw_gbs": measured(f"{name} 8-rank busbw", busbw_case, probe, server),
+            }
+            if not args.skip_256:
+                for workload in ("dist_smoke", "ddp"):
+                    figures[name][f"256_ranks_{workload}"] = measured(f"{name} 256 ranks {workload}", big_case,
+                                                                      server, workload)
     print(json.dumps(figures))
 
 

@@ -4,7 +4,8 @@ Usage:
     mirage run [--profile P] [--gpus-per-node N] [--num-nodes M] [--nproc-per-node K]
                [--timing [--trace PATH] [--virtual-clock] [--timing-tuning FILE] [--predict-only]]
                [--isolate-nodes | --no-isolate-nodes] [--node-hostname PATTERN] [--image NAME]
-               [--lazy-device-memory] [--env K=V]... [--workdir DIR] [--clear-env-vars] -- CMD ARGS...
+               [--lazy-device-memory] [--env K=V]... [--workdir DIR] [--clear-env-vars] [--no-fork-server]
+               -- CMD ARGS...
     mirage node [--rdzv-port P] [--rdzv-timeout S] [run flags] -- CMD ARGS...
                                                once per host, under Slurm's srun: one cluster
     mirage ps [--json]                         live sessions
@@ -117,6 +118,9 @@ def _build_parser() -> _Parser:
     run.add_argument("--lazy-device-memory", action="store_true",
                      help="device memory costs host memory only where written, and freed blocks give it back "
                           "(for models larger than the host's RAM; collectives copy through shared memory)")
+    run.add_argument("--no-fork-server", dest="fork_server", action="store_false",
+                     help="start every Python process on its own instead of forking it from a process "
+                          "that has imported torch (slower start-up, more memory per rank)")
     run.add_argument("--clear-env-vars", action="store_true",
                      help="start from an almost empty environment (PATH, HOME, USER, LANG, ...)")
 
@@ -255,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             trace=args.trace, virtual_clock=args.virtual_clock, timing_tuning=args.timing_tuning,
             predict_only=args.predict_only, lazy_device_memory=args.lazy_device_memory, faults=args.fault,
             faults_file=args.faults, seed=args.seed, isolate_nodes=args.isolate_nodes,
-            node_hostname=args.node_hostname, image=args.image,
+            node_hostname=args.node_hostname, image=args.image, fork_server=args.fork_server,
         )
         try:
             if rendezvous is not None:

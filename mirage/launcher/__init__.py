@@ -23,8 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mirage import profiles
-from mirage.launcher import environment
+from mirage import forkserver, profiles
+from mirage.forkserver import server as fork_server_process
+from mirage.launcher import capacity, environment
 from mirage.daemon import shared_table
 from mirage.daemon.flight_recorder import FlightRecorder
 from mirage.daemon.service import SessionService
@@ -79,6 +80,7 @@ class RunRequest:
     isolate_nodes: bool | None = None    # namespaces per node (launcher/nodes.py); None: where possible
     node_hostname: str = nodes.HOSTNAME_PATTERN
     image: str | None = None             # each node's processes in podman containers (launcher/containers.py)
+    fork_server: bool = True             # Python processes forked from one that imported torch
 
 
 def runtime_root() -> Path:
@@ -160,6 +162,10 @@ def validate(request: RunRequest) -> tuple[profiles.Profile, int]:
         raise UsageError(f"--isolate-nodes: {reason}. Fix: run mirage as root with util-linux and iproute2, "
                          "or drop --isolate-nodes (the nodes then share this host's network)")
     check_torch_is_cpu_build()
+    try:
+        capacity.check(request.command, request.num_nodes, request.nproc_per_node, gpus, request.fork_server)
+    except capacity.CapacityError as err:
+        raise UsageError(str(err)) from None
     return profile, gpus
 
 
@@ -384,6 +390,7 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
     timer: fault_specs.FaultTimer | None = None
     namespaces: nodes.NodeNamespaces | None = None
     in_image: containers.NodeContainers | None = None
+    fork_server: fork_server_process.ForkServer | None = None
     seed = request.seed if request.seed is not None else secrets.randbelow(2**31)
     faults = fault_specs.load(request.faults, request.faults_file, seed, request.num_nodes * gpus, request.num_nodes,
                               request.timing)
@@ -482,6 +489,17 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
             # libgomp no longer throttles them: tests/test_distributed's 8-rank DDP took 15x longer).
             narrate("setting OMP_NUM_THREADS=1 for each rank, as torchrun does; set it yourself to change it")
             user = {**user, "OMP_NUM_THREADS": "1"}
+        # The session's processes start as forks of it (mirage/forkserver); not in containers of
+        # another image, whose torch is not the server's.
+        if request.fork_server and request.image is None:
+            try:
+                fork_server = fork_server_process.start(
+                    environment.build(emulator=emulator, user=user, clear=request.clear_env,
+                                      identity=identity(session_id, session_dir, processes[0], request.num_nodes, port)),
+                    session_dir / forkserver.SOCKET_NAME)
+                emulator[forkserver.SOCKET_ENV] = str(fork_server.socket_path)
+            except OSError as err:
+                narrate(f"the fork server could not start ({err}); every process starts on its own")
         if not single and stdin_has_input():
             narrate("stdin has input, but no rank of a multi-process job reads stdin")
         for place in processes:
@@ -524,6 +542,8 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
         if cluster is not None:
             cluster.stop_sharing()
         supervisor.teardown()
+        if fork_server is not None:
+            fork_server.stop()
         if in_image is not None:
             containers.remove_containers(session_dir)
         if namespaces is not None:

@@ -62,6 +62,33 @@ class _TorchImportHook(importlib.abc.MetaPathFinder):
         return spec
 
 
+def import_torch_for_fork_server() -> ModuleType:
+    """The fork server's share of the hook (mirage/forkserver): the shim loaded, torch imported,
+    nothing that depends on one process's environment. The shim reads its figures (visible GPUs,
+    capacity, vendor) on first use, not at load, and nothing here uses it; the per-process
+    rest is complete_forked_process's, in each child."""
+    sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _TorchImportHook)]
+    ctypes.CDLL(os.environ["MIRAGE_SHIM_PATH"], mode=ctypes.RTLD_GLOBAL)
+    import torch
+
+    return torch
+
+
+def complete_forked_process(torch: ModuleType) -> None:
+    """What the hook does around `import torch` for this one process, in a child of the fork
+    server, once it has taken over its process's environment."""
+    from mirage.runtime import session, torch_cuda
+
+    _export_for_shim()
+    # What the shim reads from the environment when it loads, read again for this process:
+    # its slot in the session's memory table (node, rank) and its rank's faults.
+    shim = ctypes.CDLL(os.environ["MIRAGE_SHIM_PATH"])
+    shim.mirage_attach_session_table()
+    shim.mirage_reload_faults()
+    session.attach()
+    torch_cuda.install(torch)
+
+
 def arm() -> None:
     """Arms the torch import hook if this process belongs to a mirage session."""
     if not os.environ.get("MIRAGE_SHIM_PATH") or "torch" in sys.modules:

@@ -67,42 +67,48 @@ void observe(const Faults& f, const char* event, const std::string& detail) {
 }
 
 // MIRAGE_FAULTS: "rank:id,kind,trigger,count,stall_ms;..." (the launcher's encoding).
+Faults* read_faults() {
+  auto* out = new Faults();
+  const char* spec = std::getenv("MIRAGE_FAULTS");
+  const char* rank = std::getenv("RANK");
+  const char* runtime = std::getenv("MIRAGE_RUNTIME");
+  if (!spec || !runtime) return out;
+  out->rank = rank ? rank : "0";
+  out->is_rank = rank != nullptr;
+  const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  out->restart = restart && *restart ? restart : "0";
+  out->folder = std::string(runtime) + "/faults";
+  std::stringstream entries(spec);
+  std::string entry;
+  while (std::getline(entries, entry, ';')) {
+    const auto colon = entry.find(':');
+    if (colon == std::string::npos || entry.substr(0, colon) != out->rank) continue;
+    std::stringstream fields(entry.substr(colon + 1));
+    std::string id, count, stall;
+    Fault fault;
+    std::getline(fields, id, ',');
+    std::getline(fields, fault.kind, ',');
+    std::getline(fields, fault.trigger, ',');
+    std::getline(fields, count, ',');
+    std::getline(fields, stall, ',');
+    fault.id = std::stoi(id);
+    fault.count = std::stoll(count);
+    fault.stall_ms = std::stoll(stall);
+    if (fault.trigger == "op") g_fault_ops = true;
+    if (fault.trigger == "alloc") g_fault_allocs = true;
+    out->mine.push_back(fault);
+  }
+  observe(*out, "start", "");
+  return out;
+}
+
+// Read when the shim loads (g_faults_read), before any thread; again in a child of the fork
+// server (mirage_reload_faults), single-threaded too.
+Faults* g_faults = nullptr;
+
 Faults& faults() {
-  static Faults* f = [] {
-    auto* out = new Faults();
-    const char* spec = std::getenv("MIRAGE_FAULTS");
-    const char* rank = std::getenv("RANK");
-    const char* runtime = std::getenv("MIRAGE_RUNTIME");
-    if (!spec || !runtime) return out;
-    out->rank = rank ? rank : "0";
-    out->is_rank = rank != nullptr;
-    const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
-    out->restart = restart && *restart ? restart : "0";
-    out->folder = std::string(runtime) + "/faults";
-    std::stringstream entries(spec);
-    std::string entry;
-    while (std::getline(entries, entry, ';')) {
-      const auto colon = entry.find(':');
-      if (colon == std::string::npos || entry.substr(0, colon) != out->rank) continue;
-      std::stringstream fields(entry.substr(colon + 1));
-      std::string id, count, stall;
-      Fault fault;
-      std::getline(fields, id, ',');
-      std::getline(fields, fault.kind, ',');
-      std::getline(fields, fault.trigger, ',');
-      std::getline(fields, count, ',');
-      std::getline(fields, stall, ',');
-      fault.id = std::stoi(id);
-      fault.count = std::stoll(count);
-      fault.stall_ms = std::stoll(stall);
-      if (fault.trigger == "op") g_fault_ops = true;
-      if (fault.trigger == "alloc") g_fault_allocs = true;
-      out->mine.push_back(fault);
-    }
-    observe(*out, "start", "");
-    return out;
-  }();
-  return *f;
+  if (!g_faults) g_faults = read_faults();
+  return *g_faults;
 }
 
 // Claims the fault for this session (false: it already fired, e.g. before torchrun restarted
@@ -206,3 +212,12 @@ extern "C" bool mirage_device_lost() { return mirage::g_device_lost.load(std::me
 
 // Read MIRAGE_FAULTS when the shim loads, so the hot paths' flags are set before the first op.
 static const bool g_faults_read = (mirage::faults_loaded(), true);
+
+// The fork server (mirage/forkserver) loads the shim before it knows which rank each child will
+// be; a child reads its faults here once it has taken over its process's environment.
+extern "C" void mirage_reload_faults() {
+  mirage::g_fault_ops = false;
+  mirage::g_fault_allocs = false;
+  delete mirage::g_faults;
+  mirage::g_faults = mirage::read_faults();
+}

@@ -59,3 +59,10 @@ static void attach_shared_table() {
 static const int g_attached = (attach_shared_table(), 0);
 
 }  // namespace mirage
+
+// The fork server (mirage/forkserver) loads the shim without MIRAGE_SHM, before it knows which
+// process each child will be; a child attaches here once it has taken over its process's
+// environment (its node and rank).
+extern "C" void mirage_attach_session_table() {
+  if (!mirage::g_shared.words) mirage::attach_shared_table();
+}

@@ -1,0 +1,167 @@
+"""The hand-over, in mirage's sitecustomize: this process gives its program to the fork server
+and stays behind as its waiter.
+
+The waiter is what this process's parent sees: it forwards every signal it gets to the child's
+process group, ends when the child ends, with its exit code, or dies by the same signal. When
+the waiter is killed outright (SIGKILL), the server sees its connection close and kills the
+child's group. It closes every fd it handed over but stderr (kept to report a lost server), so
+a pipe's reader sees its end when the child closes it.
+
+Anything that keeps the hand-over from being exact returns before anything is sent, and the
+process simply goes on starting normally (interpreter.py, and `_compatible` below).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import socket
+import sys
+
+from mirage.forkserver import SOCKET_ENV, interpreter
+
+HELLO_TIMEOUT_SECONDS = 120.0  # the server imports torch before it answers; a loaded machine is slow
+# Faults a waiter could raise itself: left at their defaults so such a fault is not swallowed.
+_NOT_FORWARDED = {signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD, signal.SIGSEGV, signal.SIGBUS,
+                  signal.SIGFPE, signal.SIGILL, signal.SIGTRAP, signal.SIGSYS}
+
+
+def hand_off() -> None:
+    """Hands this process over to the session's fork server, if it has one and the hand-over
+    can be exact; returns (a normal start) otherwise, and never returns once handed over."""
+    path = os.environ.get(SOCKET_ENV)
+    if not path or "torch" in sys.modules or _stdin_is_terminal():
+        return  # a terminal's reader must be in its foreground group, which the child is not
+    program = interpreter.describe(sys.orig_argv, sys.argv, sys.flags)
+    if program is None:
+        return
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        connection.settimeout(HELLO_TIMEOUT_SECONDS)
+        connection.connect(path)
+        hello = json.loads(connection.recv(1 << 16) or b"null")
+        if not hello or not _compatible(hello):
+            connection.close()
+            return
+        fds = _open_fds(connection.fileno())
+        request = {
+            "program": vars(program), "orig_argv": sys.orig_argv, "sys_path": sys.path,
+            "env": dict(os.environ), "cwd": os.getcwd(), "umask": _umask(),
+            "rlimits": {name: resource.getrlimit(getattr(resource, name)) for name in _rlimit_names()},
+            "ignored_signals": [int(s) for s in signal.valid_signals() if _ignored(s)],
+            "blocked_signals": [int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])],
+            "stdio": interpreter.describe_stdio(),
+            "fds": [[fd, os.get_inheritable(fd)] for fd in fds],
+            "waiter_pid": os.getpid(), "parent_pid": os.getppid(),
+        }
+        socket.send_fds(connection, [json.dumps(request).encode()], fds)
+        reply = connection.recv(1 << 16)
+    except (OSError, ValueError):
+        connection.close()
+        return  # no server, or it refused: start normally
+    if not reply:
+        connection.close()
+        return
+    connection.settimeout(None)
+    try:
+        _wait(connection, json.loads(reply)["pid"], fds)
+    finally:  # the program runs in the child: the waiter must never go on to run it too
+        os._exit(1)
+
+
+def _stdin_is_terminal() -> bool:
+    try:
+        return os.isatty(0)
+    except OSError:
+        return False
+
+
+def _compatible(hello: dict) -> bool:
+    """The server's interpreter is this one, started with the options this one was (but those
+    the child can take on: interpreter.ADJUSTABLE_FLAGS), and the same hash seed."""
+    if hello["executable"] != os.path.realpath(sys.executable) or hello["version"] != sys.version:
+        return False
+    for name, value in hello["flags"].items():
+        if name not in interpreter.ADJUSTABLE_FLAGS and getattr(sys.flags, name, value) != value:
+            return False
+    return (hello["xoptions"] == sys._xoptions and hello["warnoptions"] == sys.warnoptions
+            and hello["hash_seed"] == os.environ.get("PYTHONHASHSEED"))
+
+
+def _open_fds(connection_fd: int) -> list[int]:
+    """This process's open fds (what it inherited), but the connection."""
+    fds = []
+    for entry in os.listdir("/proc/self/fd"):
+        fd = int(entry)
+        if fd == connection_fd:
+            continue
+        try:
+            os.fstat(fd)
+        except OSError:
+            continue  # the listing's own fd, closed by now
+        fds.append(fd)
+    return sorted(fds)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _rlimit_names() -> list[str]:
+    return [name for name in dir(resource) if name.startswith("RLIMIT_")]
+
+
+def _ignored(sig: int) -> bool:
+    try:
+        return signal.getsignal(sig) == signal.SIG_IGN
+    except ValueError:
+        return False
+
+
+def _wait(connection: socket.socket, child: int, handed_over: list[int]) -> None:
+    """The waiter: forwards signals to the child's group until the server reports its end,
+    then ends the same way."""
+    def forward(signum: int, _frame) -> None:
+        try:
+            os.killpg(child, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    for sig in signal.valid_signals():
+        if sig not in _NOT_FORWARDED and not _ignored(sig):
+            try:
+                signal.signal(sig, forward)
+            except (OSError, ValueError):
+                pass
+    for fd in handed_over:
+        if fd != 2:
+            os.close(fd)
+    try:
+        reply = connection.recv(1 << 16)
+    except OSError:
+        reply = b""
+    if not reply:
+        try:
+            os.killpg(child, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        os.write(2, f"mirage: the fork server ended before process {child} did; it was killed. "
+                    "Fix: rerun; `mirage run --no-fork-server` starts every process on its own.\n".encode())
+        os._exit(1)
+    code = os.waitstatus_to_exitcode(json.loads(reply)["status"])
+    if code < 0:
+        _die_by(-code)
+    os._exit(code)
+
+
+def _die_by(signum: int) -> None:
+    """Ends this process by `signum`, as its child ended, so the parent sees the same status."""
+    if signum not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset
+        signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+    os.kill(os.getpid(), signum)
+    os._exit(128 + signum)  # a signal whose default is not to end the process

@@ -1,0 +1,379 @@
+"""The fork server process, and `start`, which the launcher calls to bring one up.
+
+The server imports torch once (with the shim loaded, as every process of the session needs),
+freezes its heap and then only accepts: each connection is one process handing itself over
+(client.py). It forks a child for it, tells the waiter the child's pid, reports the child's
+wait status when it ends and kills the child's process group if the waiter's connection closes
+first (the waiter was killed). The server runs one thread, before and after fork: a fork from a
+threaded process could copy a lock some thread held, and OpenMP's pool is never started here.
+
+Protocol (SOCK_SEQPACKET, one JSON object a message): server -> "hello" (interpreter, flags);
+client -> request, with the fds it hands over as SCM_RIGHTS; server -> {"pid": child};
+server -> {"status": wait status} when the child ends.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import gc
+import importlib
+import json
+import os
+import resource
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import NoReturn
+
+from mirage.forkserver import SOCKET_ENV, interpreter
+
+MAX_REQUEST_BYTES = 4 << 20
+# The server's last argument: blank room in its argv area, which each child overwrites with its
+# own command line so that /proc/<pid>/cmdline (ps, pgrep -f) shows the program, not the server.
+COMMAND_LINE_ROOM = 8192
+MAX_FDS = 253  # SCM_MAX_FD: what one message can carry
+_PR_SET_PDEATHSIG = 1
+# Modules a session's processes import anyway (torchrun, DDP, the runtime's pieces): imported
+# here once, so each child finds them in sys.modules instead of building them in private memory.
+# torch._dynamo (with sympy) is what DDP's constructor imports: 1.6 CPU-seconds and 94 MB a
+# rank when each rank imports it, about as much as torch itself.
+PRELOADED_MODULES = (
+    "torch.distributed", "torch.distributed.run", "torch.distributed.elastic.multiprocessing", "torch._dynamo",
+    "torch.nn.parallel", "torch.multiprocessing", "torch.utils.data", "torch.optim",
+    "mirage.runtime.torch_cuda", "mirage.runtime.session", "mirage.runtime.distributed",
+    "mirage.forkserver.interpreter",
+)
+# Variables that say which process this is: a child takes them from its waiter; the server's
+# own environment (what /proc/<child>/environ shows, and what launcher/faults.py reads to find
+# a rank's processes) must not name a rank, so that only the waiter does. Without MIRAGE_SHM the
+# shim does not take a slot in the session's memory table for the server; each child takes its
+# own (boot.complete_forked_process).
+PROCESS_IDENTITY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+                    "MIRAGE_NODE_RANK", "NCCL_HOSTID", "MIRAGE_SHM", SOCKET_ENV)
+
+
+@dataclass
+class ForkServer:
+    """A running server, as the launcher holds it."""
+
+    process: subprocess.Popen
+    socket_path: Path
+
+    def stop(self) -> None:
+        """Ends the server (its children are the session's; teardown has ended them)."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+
+def server_environment(process_env: dict[str, str]) -> dict[str, str]:
+    """The server's environment: a session (or node) process's, without the process identity."""
+    return {key: value for key, value in process_env.items() if key not in PROCESS_IDENTITY}
+
+
+def start(process_env: dict[str, str], socket_path: Path, argv_prefix: Sequence[str] = ()) -> ForkServer:
+    """Starts a fork server for processes whose environment is like `process_env` (that of a
+    session or one emulated node), listening on `socket_path`. `argv_prefix` runs it inside
+    something (e.g. `nsenter ...` for a node's namespaces).
+
+    The socket is bound and listening before this returns, so a process started right after
+    connects at once and waits for the server's hello while torch is imported (no start-up
+    race, no polling); the server gets the listening socket as an inherited fd."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        listener.bind(str(socket_path))
+        listener.listen(4096)
+        process = subprocess.Popen(
+            [*argv_prefix, sys.executable, "-m", "mirage.forkserver.server", str(listener.fileno()),
+             " " * COMMAND_LINE_ROOM],
+            env=server_environment(process_env), pass_fds=(listener.fileno(),), stdin=subprocess.DEVNULL,
+            process_group=0)
+    finally:
+        listener.close()
+    return ForkServer(process, socket_path)
+
+
+def _hello() -> bytes:
+    """What a process checks before handing itself over: the same interpreter, started with
+    the same options (interpreter.py says which may differ)."""
+    return json.dumps({
+        "executable": os.path.realpath(sys.executable), "version": sys.version,
+        "flags": {name: getattr(sys.flags, name) for name in dir(sys.flags) if not name.startswith(("_", "n_"))
+                  and not callable(getattr(sys.flags, name))},
+        "xoptions": sys._xoptions, "warnoptions": sys.warnoptions,
+        "hash_seed": os.environ.get("PYTHONHASHSEED"),
+    }).encode()
+
+
+@dataclass
+class Handoff:
+    """One child's process, as the waiter described it; `take_over` makes this process it."""
+
+    request: dict
+    fds: list[int]
+    torch: ModuleType
+    server_threads: str | None
+
+    def take_over(self) -> NoReturn:
+        os.setsid()  # a session of its own: no terminal of the server's, its own group to signal
+        _enter_namespaces_of(self.request["waiter_pid"])
+        _install_fds(self.fds, self.request["fds"])
+        for name, (soft, hard) in self.request["rlimits"].items():
+            try:
+                resource.setrlimit(getattr(resource, name), (soft, hard))
+            except (ValueError, OSError):
+                pass  # above the server's hard limit: the server's stands
+        os.umask(self.request["umask"])
+        os.chdir(self.request["cwd"])
+        os.environ.clear()
+        os.environ.update(self.request["env"])
+        _reset_signals(self.request["ignored_signals"], self.request["blocked_signals"])
+        _present_waiters_parent(self.request["waiter_pid"], self.request["parent_pid"])
+        program = interpreter.Program(**self.request["program"])
+        interpreter.rebuild_stdio(self.request["stdio"], program.unbuffered)
+        sys.orig_argv[:] = self.request["orig_argv"]
+        _show_command_line(self.request["orig_argv"])
+        _fresh_multiprocessing_identity()
+        importlib.invalidate_caches()
+        threads = os.environ.get("OMP_NUM_THREADS")
+        if threads != self.server_threads and threads and threads.isdigit() and int(threads) > 0:
+            self.torch.set_num_threads(int(threads))  # OpenMP read the server's value at load
+        from mirage.runtime import boot
+
+        boot.complete_forked_process(self.torch)
+        gc.enable()
+        interpreter.run(program, self.request["sys_path"])
+
+
+NODE_NAMESPACES = ("uts", "ipc", "net", "mnt")  # what an isolated emulated node has of its own
+
+
+def _enter_namespaces_of(waiter_pid: int) -> None:
+    """Joins the waiter's node: on isolated emulated nodes (launcher/nodes.py) the waiter runs in
+    its node's namespaces and the server in the host's, so the program would otherwise get the
+    host's hostname, network and /dev/shm. The child is single-threaded here, as joining a mount
+    namespace requires, and changes directory after it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for kind in NODE_NAMESPACES:
+        theirs = f"/proc/{waiter_pid}/ns/{kind}"
+        if os.stat(theirs).st_ino == os.stat(f"/proc/self/ns/{kind}").st_ino:
+            continue
+        fd = os.open(theirs, os.O_RDONLY)
+        try:
+            if libc.setns(fd, 0) != 0:
+                error = ctypes.get_errno()
+                raise OSError(error, f"joining the waiter's {kind} namespace: {os.strerror(error)}")
+        finally:
+            os.close(fd)
+
+
+def _install_fds(received: list[int], numbers: list[list]) -> None:
+    """Puts the waiter's fds at the same numbers (multiprocessing passes pipes by number), with
+    the same close-on-exec flag, and closes everything else the server had open."""
+    floor = max([3, *received, *(number for number, _ in numbers)]) + 1
+    parked = [_dup_above(fd, floor) for fd in received]
+    for fd in received:
+        os.close(fd)
+    keep = set(parked)
+    for entry in os.listdir("/proc/self/fd"):
+        fd = int(entry)
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # the listing's own fd, already closed
+    for fd, (number, inheritable) in zip(parked, numbers):
+        os.dup2(fd, number, inheritable=inheritable)
+        os.close(fd)
+
+
+def _dup_above(fd: int, floor: int) -> int:
+    return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, floor)
+
+
+def _reset_signals(ignored: list[int], blocked: list[int]) -> None:
+    """Signal dispositions and mask as the waiter had them at start: a new process inherits
+    ignored signals and the mask, and Python installs its SIGINT handler unless ignored."""
+    signal.set_wakeup_fd(-1)
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            if sig in ignored:
+                signal.signal(sig, signal.SIG_IGN)
+            elif sig == signal.SIGINT:
+                signal.signal(sig, signal.default_int_handler)
+            else:
+                signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass  # signals the interpreter may not touch (the real-time ones libc keeps)
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def _present_waiters_parent(waiter_pid: int, parent_pid: int) -> None:
+    """os.getppid() in the program is its waiter's parent (the process that started it, e.g.
+    torchrun's agent), which the program would see without the server; its own forked children
+    see it as their parent, as usual."""
+    own_pid = os.getpid()
+    real_getppid = os.getppid
+
+    def getppid() -> int:
+        if os.getpid() != own_pid:
+            return real_getppid()
+        try:
+            stat = Path(f"/proc/{waiter_pid}/stat").read_text()
+            return int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return parent_pid
+
+    os.getppid = getppid
+
+
+def _show_command_line(argv: list[str]) -> None:
+    """Writes the program's command line over the server's in this process's argv area (what
+    /proc/<pid>/cmdline reads), NUL-padded to the area's end; a longer one is cut. Moving the
+    area itself (PR_SET_MM) would need CAP_SYS_RESOURCE."""
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (stat fields 48, 49)
+    text = b"\0".join(os.fsencode(arg) for arg in argv)[:end - start - 1]
+    ctypes.memmove(start, text + b"\0" * (end - start - len(text)), end - start)
+
+
+def _fresh_multiprocessing_identity() -> None:
+    """A new process draws its own multiprocessing authkey; children of the server would all
+    share the server's."""
+    process = sys.modules.get("multiprocessing.process")
+    if process is not None:
+        process.current_process().authkey = os.urandom(32)
+
+
+def serve(listener: socket.socket) -> Handoff:
+    """Imports torch, then forks a child per request; returns only in a child."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the run is gone: so is its server
+    gc.disable()
+    from mirage.runtime import boot
+
+    torch = boot.import_torch_for_fork_server()
+    for name in PRELOADED_MODULES:
+        importlib.import_module(name)
+    gc.freeze()  # the collector never writes to the heap the children share
+    hello = _hello()
+    server_threads = os.environ.get("OMP_NUM_THREADS")
+
+    wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, "listener")
+    selector.register(wake_read, selectors.EVENT_READ, "wake")
+    children: dict[int, socket.socket | None] = {}  # child pid -> its waiter's connection (None: gone)
+    running: dict[socket.socket, int] = {}     # waiter connection -> child pid
+    while True:
+        for key, _ in selector.select():
+            if key.data == "listener":
+                connection, _ = listener.accept()
+                try:
+                    connection.send(hello)
+                except OSError:
+                    connection.close()
+                    continue
+                selector.register(connection, selectors.EVENT_READ, "request")
+            elif key.data == "wake":
+                while True:
+                    try:
+                        if not os.read(wake_read, 512):
+                            break
+                    except BlockingIOError:
+                        break
+                _reap(children, running, selector)
+            elif key.data == "request":
+                connection = key.fileobj
+                try:
+                    message, fds, _, _ = socket.recv_fds(connection, MAX_REQUEST_BYTES, MAX_FDS)
+                except OSError:
+                    message, fds = b"", []
+                if not message:
+                    selector.unregister(connection)
+                    connection.close()
+                    continue
+                try:
+                    pid = os.fork()
+                except OSError:  # no memory or process left: the waiter starts its program itself
+                    for fd in fds:
+                        os.close(fd)
+                    selector.unregister(connection)
+                    connection.close()
+                    continue
+                if pid == 0:
+                    # Every socket closed through its object (closing its fd behind its back
+                    # would let a later garbage collection close a reused number).
+                    for registered in list(selector.get_map().values()):
+                        if isinstance(registered.fileobj, socket.socket):
+                            registered.fileobj.close()
+                    selector.close()
+                    os.close(wake_read)
+                    os.close(wake_write)
+                    return Handoff(json.loads(message), fds, torch, server_threads)
+                for fd in fds:
+                    os.close(fd)
+                selector.modify(connection, selectors.EVENT_READ, "running")
+                children[pid] = connection
+                running[connection] = pid
+                try:
+                    connection.send(json.dumps({"pid": pid}).encode())
+                except OSError:
+                    pass  # the waiter is gone: its connection reads as closed next
+            else:  # "running": the only thing a waiter sends afterwards is its end
+                connection = key.fileobj
+                try:
+                    alive = connection.recv(1)
+                except OSError:
+                    alive = b""
+                if not alive:
+                    pid = running.pop(connection)
+                    selector.unregister(connection)
+                    connection.close()
+                    children[pid] = None
+                    try:
+                        os.killpg(pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+
+
+def _reap(children: dict, running: dict, selector: selectors.BaseSelector) -> None:
+    """Collects ended children and tells each one's waiter how it ended."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        connection = children.pop(pid, None)
+        if connection is None:
+            continue
+        running.pop(connection, None)
+        selector.unregister(connection)
+        try:
+            connection.send(json.dumps({"status": status}).encode())
+        except OSError:
+            pass
+        connection.close()
+
+
+def main() -> None:
+    listener = socket.socket(fileno=int(sys.argv[1]))
+    handoff = serve(listener)
+    handoff.take_over()
+
+
+if __name__ == "__main__":
+    main()
