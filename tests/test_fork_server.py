@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from conftest import mirage
+from mirage.launcher.supervisor import session_processes
 
 FORKED_CHECK = textwrap.dedent("""
     import os, sys
@@ -125,18 +126,6 @@ def test_multiprocessing_spawn_children_are_forked_and_report_back(tmp_path):
     assert result.stdout.splitlines() == ["(True, 2, '__mp_main__') True", "exitcode 0"]
 
 
-def _session_processes(session: str) -> list[int]:
-    marker = f"MIRAGE_SESSION={session}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and marker in (entry / "environ").read_bytes().split(b"\0"):
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
-
-
 def test_sigkill_of_the_waiter_kills_the_program_and_nothing_outlives_the_session(tmp_path):
     pids = tmp_path / "pids.json"
     script = _script(tmp_path, f"""
@@ -169,7 +158,7 @@ def test_sigkill_of_the_waiter_kills_the_program_and_nothing_outlives_the_sessio
         os.kill(seen["waiter"], signal.SIGKILL)
         assert run.wait(timeout=120) == 128 + signal.SIGKILL, run.communicate()
         assert not Path(f"/proc/{seen['rank']}").exists() or "Z" in Path(f"/proc/{seen['rank']}/stat").read_text().split()[2]
-        assert _session_processes(seen["session"]) == []
+        assert session_processes(seen["session"]) == []
     finally:
         if run.poll() is None:
             run.kill()

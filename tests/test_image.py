@@ -19,6 +19,7 @@ import pytest
 
 from conftest import REPO, mirage
 from mirage.launcher import containers, nodes
+from mirage.launcher.supervisor import session_processes
 
 IMAGE = os.environ.get("MIRAGE_TEST_IMAGE", "localhost/mirage-node:test")
 HAS_PODMAN = shutil.which("podman") is not None
@@ -33,14 +34,7 @@ SMOKE = ("import socket, runpy, torch; print('where', socket.gethostname(), torc
 
 def session_leftovers(session: str) -> list[str]:
     """What a session could leave: processes carrying it, its containers, its /dev/shm folders."""
-    marker = f"MIRAGE_SESSION={session}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and marker in (entry / "environ").read_bytes().split(b"\0"):
-                found.append(f"process {entry.name}")
-        except OSError:
-            pass
+    found = [f"process {pid}" for pid in session_processes(session)]
     listed = subprocess.run(["podman", "ps", "-a", "--format", "{{.Names}}"], capture_output=True, text=True).stdout
     found += [f"container {name}" for name in listed.split() if session in name]
     found += [f"shm {path}" for path in Path("/dev/shm").glob(f"mirage-*{session}*")]

@@ -15,6 +15,7 @@ import pytest
 
 from conftest import REPO, mirage
 from mirage.launcher import nodes
+from mirage.launcher.supervisor import session_processes
 
 pytestmark = pytest.mark.skipif(nodes.unavailable_reason() is not None,
                                 reason=f"cannot isolate nodes here: {nodes.unavailable_reason()}")
@@ -95,18 +96,11 @@ def test_sigkill_of_mirage_leaves_no_namespace_veth_bridge_or_process():
     assert host_network()["links"] == before["links"]  # the bridge and veths are in the session's namespaces
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    marker = f"MIRAGE_SESSION={session}".encode()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        alive = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _carries(p, marker)]
+        alive = session_processes(session)
         if not alive and host_network() == before:
             break
         time.sleep(0.2)
     assert not alive and host_network() == before
 
-
-def _carries(process: Path, marker: bytes) -> bool:
-    try:
-        return marker in (process / "environ").read_bytes().split(b"\0")
-    except OSError:
-        return False
