@@ -445,15 +445,19 @@ def _host_compile(inner_compile: Callable, device_ops: _DeviceOps, captured_call
 
 
 def _patch(compile_fx_module: ModuleType, torch: ModuleType) -> None:
-    device_ops = _DeviceOps(torch)
-    captured_calls = _CapturedCalls(torch)
     original = compile_fx_module.compile_fx
     default_inner = compile_fx_module.compile_fx_inner
+    # Their operator libraries are registered at the first compilation, not here: every process
+    # of a fork server's session runs this (inductor is preloaded there), and registering them
+    # writes to the dispatcher's tables, pages a forked child would copy.
+    helpers: list[tuple[_DeviceOps, _CapturedCalls]] = []
 
     @functools.wraps(original)
     def compile_fx(model: Any, example_inputs: Any, inner_compile: Callable = default_inner, **kwargs: Any) -> Any:
+        if not helpers:
+            helpers.append((_DeviceOps(torch), _CapturedCalls(torch)))
         if not getattr(inner_compile, "_mirage_host", False):
-            inner_compile = _host_compile(inner_compile, device_ops, captured_calls, torch)
+            inner_compile = _host_compile(inner_compile, *helpers[0], torch)
             inner_compile._mirage_host = True
         return original(model, example_inputs, inner_compile=inner_compile, **kwargs)
 

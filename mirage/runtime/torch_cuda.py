@@ -10,7 +10,6 @@ captured at import time (Stream, Event, the device-properties type) are replaced
 from __future__ import annotations
 
 import os
-import sys
 from types import ModuleType
 
 from mirage import profiles
@@ -257,11 +256,14 @@ def install(torch: ModuleType) -> None:
                 del cuda._tls.is_initializing
             cuda._initialized = True
 
-    # torch.cuda.random, .memory, ... imported torch's _lazy_init by name: they get ours too, or
-    # get_rng_state() as the first CUDA call of a process would insist on libcudart.
+    # torch.cuda.random and .memory imported torch's _lazy_init by name: they get ours too, or
+    # get_rng_state() as the first CUDA call of a process would insist on libcudart. Only
+    # torch.cuda's own submodules do (modules imported later find ours on torch.cuda); looking
+    # through all of sys.modules would touch ~2,000 modules, whose pages a child of the fork
+    # server would then copy (10 ms and 8 MB a rank).
     torchs_lazy_init = cuda._lazy_init
-    for module in list(sys.modules.values()):
-        if getattr(module, "_lazy_init", None) is torchs_lazy_init:
+    for module in [cuda, *(value for value in vars(cuda).values() if isinstance(value, ModuleType))]:
+        if module.__name__.startswith("torch.cuda") and vars(module).get("_lazy_init") is torchs_lazy_init:
             module._lazy_init = lazy_init
     cuda.device_count = lambda: count
 
