@@ -9,17 +9,26 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, mirage
+from mirage.launcher import nodes
 
 NCCL_ENV = ["--env", "NCCL_P2P_DISABLE=1", "--env", "NCCL_SHM_DISABLE=1", "--env", "NCCL_SOCKET_IFNAME=lo"]
 # Isolated emulated nodes reach each other on eth0, as a cluster's nodes on their NIC.
 NODES_NCCL_ENV = ["--env", "NCCL_P2P_DISABLE=1", "--env", "NCCL_SHM_DISABLE=1", "--env", "NCCL_SOCKET_IFNAME=eth0"]
 
 
-@pytest.mark.parametrize("transport", [[], ["--env", "NCCL_P2P_DISABLE=1"], NCCL_ENV],
-                         ids=["shared-memory", "shared-memory-without-p2p", "sockets"])
+ONE_NODE_OF_FOUR = ["--nproc-per-node", "4", "--gpus-per-node", "4"]
+# Two isolated nodes of two: shared memory within each, the leaders' sockets between them, and
+# the socket mesh (whose pairs connect at their first transfer) for point-to-point and all_to_all.
+TWO_NODES_OF_TWO = ["--num-nodes", "2", "--nproc-per-node", "2", "--gpus-per-node", "2"]
+
+
+@pytest.mark.parametrize("transport", [
+    ONE_NODE_OF_FOUR, [*ONE_NODE_OF_FOUR, "--env", "NCCL_P2P_DISABLE=1"], [*ONE_NODE_OF_FOUR, *NCCL_ENV],
+    pytest.param(TWO_NODES_OF_TWO, marks=pytest.mark.skipif(nodes.unavailable_reason() is not None,
+                                                            reason="cannot isolate nodes here")),
+], ids=["shared-memory", "shared-memory-without-p2p", "sockets", "two-isolated-nodes"])
 def test_every_collective_on_device_tensors_equals_gloo_on_cpu(transport):
-    result = mirage("run", "--nproc-per-node", "4", "--gpus-per-node", "4", *transport, "--",
-                    "python", "tests/workloads/collectives.py")
+    result = mirage("run", *transport, "--", "python", "tests/workloads/collectives.py")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[0] collectives_ok" in result.stdout
     for name in ("all_reduce AVG", "all_reduce PREMUL_SUM", "all_reduce PRODUCT torch.int64 x 100003",

@@ -9,7 +9,8 @@
 //           the node's leader
 //   leaders the node leaders (socket_transport.cpp), ordered by their group rank
 //   mesh    every rank (socket_transport.cpp): point-to-point traffic and the collectives that
-//           NCCL also builds from it (gather, scatter, all_to_all) go straight to their peer
+//           NCCL also builds from it (gather, scatter, all_to_all) go straight to their peer;
+//           a pair connects at its first transfer, as NCCL's point-to-point connections
 // and each collective is the phases NCCL's hierarchical algorithms run: reduce in the node,
 // reduce across the leaders, broadcast in the node. Every rank still gets the same bits (the
 // leaders' result is what each node broadcasts). Each phase compares the calls of the ranks it
@@ -244,11 +245,13 @@ std::unique_ptr<Communicator> connect_across_nodes(const c10::intrusive_ptr<c10d
   const char* host = std::getenv("NCCL_HOSTID");
   const std::string mine = host ? host : "";
   store->set("mirage/host/" + std::to_string(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+  std::vector<std::string> host_keys;
+  for (int r = 0; r < size; ++r) host_keys.push_back("mirage/host/" + std::to_string(r));
+  const auto hosts = store->multiGet(host_keys);  // one request, not one a rank: N ranks would make N^2
   std::vector<int> node_of_rank(static_cast<size_t>(size));
   std::map<std::string, int> nodes;
   for (int r = 0; r < size; ++r) {
-    const auto wire = store->get("mirage/host/" + std::to_string(r));
-    node_of_rank[r] = nodes.emplace(std::string(wire.begin(), wire.end()), static_cast<int>(nodes.size())).first->second;
+    node_of_rank[r] = nodes.emplace(std::string(hosts[r].begin(), hosts[r].end()), static_cast<int>(nodes.size())).first->second;
   }
   if (nodes.size() == 1) return connect_shared_memory(store, rank, size, p2p, timeout);
   const int node = node_of_rank[rank];  // nodes are numbered by their first rank: node k has the k-th leader
@@ -258,8 +261,10 @@ std::unique_ptr<Communicator> connect_across_nodes(const c10::intrusive_ptr<c10d
   }
   const int local_rank = static_cast<int>(std::find(local_ranks.begin(), local_ranks.end(), rank) - local_ranks.begin());
   const int local_size = static_cast<int>(local_ranks.size());
-  // The mesh first: every rank joins it, so a rank that cannot come up fails the whole group.
-  auto mesh = connect_sockets(c10::make_intrusive<c10d::PrefixStore>("mirage/mesh", store), rank, size, timeout);
+  // The mesh's pairs connect at their first transfer (most never talk); every rank is in its
+  // node's communicator or the leaders', so one that cannot come up still fails the group.
+  auto mesh = connect_sockets(c10::make_intrusive<c10d::PrefixStore>("mirage/mesh", store), rank, size, timeout,
+                              /*on_first_use=*/true);
   std::unique_ptr<Communicator> local;
   if (local_size > 1) {
     local = connect_shared_memory(

@@ -1,10 +1,15 @@
 // The socket transport of the emulated NCCL backend: TCP between every pair of ranks, as NCCL's
 // net transport (NCCL_NET=Socket) carries traffic that shared memory and P2P cannot.
 //
-// Set-up, collective over the group's store: every rank listens on an ephemeral port of its
-// interface's address (socket_interface) and publishes both; each rank connects to every lower rank, twice (channel 0 for point-to-point
-// operations, channel 1 for collectives, so a pending send cannot block a collective's bytes)
-// and says who it is; a rank's own channel is a socketpair. All data moves through transfer(),
+// Set-up: every rank listens on an ephemeral port of its interface's address (socket_interface)
+// and publishes both in the group's store. A connection joins a pair of ranks per channel
+// (channel 0 for point-to-point operations, channel 1 for collectives, so a pending send cannot
+// block a collective's bytes): the higher rank connects to the lower and says who it is; a
+// rank's own channel is a socketpair. connect_sockets makes them all at once (collective: every
+// rank must join), or, for a group most of whose pairs may never talk (the cross-node mesh of
+// node_hierarchy.cpp), on a pair's first transfer, as NCCL connects point-to-point peers at
+// their first operation: 64 ranks would otherwise make 4,032 connections and 2,000 store reads
+// before their first collective. All data moves through transfer(),
 // one non-blocking engine over poll(): every pending send and receive progresses together.
 // Collectives are built from transfers, each opened by an exchange of the ranks' calls (the
 // desync check). Reductions receive every peer's chunk and reduce in rank order, so every rank
@@ -13,6 +18,7 @@
 #include "transport.h"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -26,8 +32,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <random>
 #include <sstream>
 #include <string>
@@ -120,12 +129,20 @@ std::string socket_interface() {
 
 class SocketCommunicator final : public Communicator {
  public:
-  SocketCommunicator(int rank, int size, std::string instance, std::vector<int> fds)
-      : Communicator(rank, size, std::move(instance)), fds_(std::move(fds)) {}
+  SocketCommunicator(int rank, int size, std::string instance, int listener, c10::intrusive_ptr<c10d::Store> store,
+                     std::chrono::milliseconds timeout)
+      : Communicator(rank, size, std::move(instance)),
+        fds_(new std::atomic<int>[static_cast<size_t>(kChannels) * size]),
+        listener_(listener),
+        store_(std::move(store)),
+        timeout_(timeout) {
+    for (size_t i = 0; i < static_cast<size_t>(kChannels) * size; ++i) fds_[i] = -1;
+  }
   ~SocketCommunicator() override {
     if (interrupt_ >= 0) close(interrupt_);
-    for (int fd : fds_) {
-      if (fd >= 0) close(fd);
+    if (listener_ >= 0) close(listener_);
+    for (size_t i = 0; i < static_cast<size_t>(kChannels) * size_; ++i) {
+      if (fds_[i] >= 0) close(fds_[i]);
     }
     for (auto& pair : self_) {
       for (int fd : pair) {
@@ -143,9 +160,10 @@ class SocketCommunicator final : public Communicator {
   // every peer's next read sees them closed, as NCCL's peers see an aborted rank's.
   void abort() override {
     Communicator::abort();
-    for (int fd : fds_) {
-      if (fd >= 0) ::shutdown(fd, SHUT_RDWR);
+    for (size_t i = 0; i < static_cast<size_t>(kChannels) * size_; ++i) {
+      if (fds_[i] >= 0) ::shutdown(fds_[i], SHUT_RDWR);
     }
+    if (listener_ >= 0) ::shutdown(listener_, SHUT_RDWR);  // peers not yet connected are refused
     interrupt_transfer();
   }
 
@@ -256,6 +274,10 @@ class SocketCommunicator final : public Communicator {
         if (blocked) continue;
         blocked = 1;
         const int fd = socket_of(t.peer, channel, t.send);
+        if (fd < 0) {  // a higher rank not yet connected: its connection arrives on the listener
+          waits.push_back(pollfd{listener_, POLLIN, 0});
+          continue;
+        }
         bool would_block = false;
         if (t.header_done < sizeof(t.header)) {
           if (t.send) t.header = {t.bytes, t.clock};
@@ -318,9 +340,89 @@ class SocketCommunicator final : public Communicator {
   }
 
   // fds_[channel * size + peer]; to oneself, the two ends of a socketpair (see connect_sockets).
-  int socket_of(int peer, int channel, bool sending) const {
+  // A pair not connected yet is connected now when this rank is the higher (the peer's listener
+  // takes it whatever the peer is doing); otherwise -1 until the peer's connection is accepted.
+  int socket_of(int peer, int channel, bool sending) {
     if (peer == rank_) return self_[channel][sending ? 0 : 1];
-    return fds_[static_cast<size_t>(channel) * size_ + peer];
+    const size_t slot = static_cast<size_t>(channel) * size_ + peer;
+    if (fds_[slot] < 0) {
+      std::lock_guard<std::mutex> lock(connecting_);  // the point-to-point worker connects too
+      if (fds_[slot] < 0 && peer < rank_) connect_to(peer, channel);
+      if (fds_[slot] < 0) accept_pending(0);
+    }
+    return fds_[slot];
+  }
+
+  // Connects to a lower rank's listener (its address from the store) and says who this is.
+  void connect_to(int peer, int channel) {
+    auto wire = store_->get("mirage/port/" + std::to_string(peer));
+    std::stringstream peer_where(std::string(wire.begin(), wire.end()));
+    std::string peer_host;
+    int peer_port = 0;
+    peer_where >> peer_host >> peer_port;
+    sockaddr_in to{};
+    to.sin_family = AF_INET;
+    inet_pton(AF_INET, peer_host.c_str(), &to.sin_addr);
+    to.sin_port = htons(static_cast<uint16_t>(peer_port));
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)) != 0) {
+      const int error = errno;
+      const bool lost_loopback = peer_host.rfind("127.", 0) == 0 && std::getenv("MIRAGE_ISOLATED_NODES");
+      if (fd >= 0) close(fd);
+      check_not_aborted("connecting to group rank " + std::to_string(peer));
+      errno = error;
+      fail_setup("connecting to group rank " + std::to_string(peer) + " at " + peer_host + ":" +
+                 std::to_string(peer_port) + (lost_loopback ? " (mirage: that rank listens on loopback, which "
+                 "other nodes cannot reach, as on a cluster: NCCL_SOCKET_IFNAME=lo? emulated nodes reach each "
+                 "other on eth0)" : ""));
+    }
+    int32_t greeting[2] = {rank_, channel};
+    write_all(fd, greeting, sizeof(greeting));
+    tune(fd);
+    fds_[static_cast<size_t>(channel) * size_ + peer] = fd;
+  }
+
+  // Takes the connections higher ranks have made, waiting up to `wait_ms` for the first; each
+  // says which rank and channel it is (it wrote that right after connecting).
+  void accept_pending(int wait_ms) {
+    for (pollfd ready{listener_, POLLIN, 0}; ::poll(&ready, 1, wait_ms) > 0; wait_ms = 0) {
+      int fd = ::accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
+        check_not_aborted("accepting a peer");
+        fail_setup("accepting a peer");
+      }
+      int32_t greeting[2];
+      read_all(fd, greeting, sizeof(greeting));
+      TORCH_CHECK_WITH(DistBackendError, greeting[0] > rank_ && greeting[0] < size_ && greeting[1] >= 0 &&
+                       greeting[1] < kChannels, "emulated NCCL (socket transport): group rank ", rank_,
+                       " was greeted as rank ", greeting[0], " channel ", greeting[1], " (another group's peer?)");
+      tune(fd);
+      fds_[static_cast<size_t>(greeting[1]) * size_ + greeting[0]] = fd;
+    }
+  }
+
+  // Every connection of the group, as a collective set-up makes them: to each lower rank, then
+  // each higher rank's, within the timeout.
+  void connect_all() {
+    std::lock_guard<std::mutex> lock(connecting_);
+    for (int peer = 0; peer < rank_; ++peer) {
+      for (int channel = 0; channel < kChannels; ++channel) connect_to(peer, channel);
+    }
+    const auto deadline = Clock::now() + timeout_;
+    auto missing = [&] {
+      for (int peer = rank_ + 1; peer < size_; ++peer) {
+        for (int channel = 0; channel < kChannels; ++channel) {
+          if (fds_[static_cast<size_t>(channel) * size_ + peer] < 0) return true;
+        }
+      }
+      return false;
+    };
+    while (missing()) {
+      TORCH_CHECK_WITH(DistBackendError, Clock::now() < deadline, "emulated NCCL (socket transport): group rank ",
+                       rank_, " waited ", timeout_.count(), " ms for its peers to connect");
+      accept_pending(200);
+    }
   }
 
   // Counts what one send/recv moved; false when the socket would block. A closed or broken
@@ -378,23 +480,29 @@ class SocketCommunicator final : public Communicator {
     if (reduction.op == c10d::ReduceOp::AVG) scale(dtype, out, n, reduction, size_);
   }
 
-  std::vector<int> fds_;
+  std::unique_ptr<std::atomic<int>[]> fds_;  // read without the lock; written once, under it
+  int listener_;                             // non-blocking; open while any pair may connect
+  c10::intrusive_ptr<c10d::Store> store_;    // where the lower ranks' addresses are
+  std::chrono::milliseconds timeout_;
+  std::mutex connecting_;
   int self_[kChannels][2] = {{-1, -1}, {-1, -1}};
   int interrupt_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);  // see interrupt_transfer
 
   friend std::unique_ptr<Communicator> connect_sockets(const c10::intrusive_ptr<c10d::Store>&, int, int,
-                                                       std::chrono::milliseconds);
+                                                       std::chrono::milliseconds, bool);
 };
 
 std::unique_ptr<Communicator> connect_sockets(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                              std::chrono::milliseconds timeout) {
-  int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+                                              std::chrono::milliseconds timeout, bool on_first_use) {
+  int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (listener < 0) fail_setup("socket()");
   sockaddr_in address{};
   address.sin_family = AF_INET;
   address.sin_addr = chosen_interface().second;
   socklen_t length = sizeof(address);
-  if (::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 || ::listen(listener, 4 * size) != 0 ||
+  // The backlog holds every connection the higher ranks may make before this rank accepts.
+  if (::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
+      ::listen(listener, kChannels * size + 16) != 0 ||
       ::getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
     close(listener);
     fail_setup("listening on " + socket_interface());
@@ -413,56 +521,13 @@ std::unique_ptr<Communicator> connect_sockets(const c10::intrusive_ptr<c10d::Sto
     auto wire = store->get("mirage/instance");
     instance.assign(wire.begin(), wire.end());
   }
-  std::vector<int> fds(static_cast<size_t>(kChannels) * size, -1);
-  // Connect to every lower rank, once per channel, greeting with (rank, channel).
-  for (int peer = 0; peer < rank; ++peer) {
-    auto wire = store->get("mirage/port/" + std::to_string(peer));
-    std::stringstream peer_where(std::string(wire.begin(), wire.end()));
-    std::string peer_host;
-    int peer_port = 0;
-    peer_where >> peer_host >> peer_port;
-    sockaddr_in to{};
-    to.sin_family = AF_INET;
-    inet_pton(AF_INET, peer_host.c_str(), &to.sin_addr);
-    to.sin_port = htons(static_cast<uint16_t>(peer_port));
-    for (int channel = 0; channel < kChannels; ++channel) {
-      int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-      if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)) != 0) {
-        const bool lost_loopback = peer_host.rfind("127.", 0) == 0 && std::getenv("MIRAGE_ISOLATED_NODES");
-        fail_setup("connecting to group rank " + std::to_string(peer) + " at " + peer_host + ":" +
-                   std::to_string(peer_port) + (lost_loopback ? " (mirage: that rank listens on loopback, which "
-                   "other nodes cannot reach, as on a cluster: NCCL_SOCKET_IFNAME=lo? emulated nodes reach each "
-                   "other on eth0)" : ""));
-      }
-      int32_t greeting[2] = {rank, channel};
-      write_all(fd, greeting, sizeof(greeting));
-      fds[static_cast<size_t>(channel) * size + peer] = fd;
-    }
-  }
-  // Accept every higher rank's connections.
-  const auto deadline = Clock::now() + timeout;
-  for (int pending = kChannels * (size - 1 - rank); pending > 0; --pending) {
-    pollfd ready{listener, POLLIN, 0};
-    while (::poll(&ready, 1, 200) == 0) {
-      TORCH_CHECK_WITH(DistBackendError, Clock::now() < deadline, "emulated NCCL (socket transport): group rank ",
-                       rank, " waited ", timeout.count(), " ms for its peers to connect");
-    }
-    int fd = ::accept(listener, nullptr, nullptr);
-    if (fd < 0) fail_setup("accepting a peer");
-    int32_t greeting[2];
-    read_all(fd, greeting, sizeof(greeting));
-    fds[static_cast<size_t>(greeting[1]) * size + greeting[0]] = fd;
-  }
-  close(listener);
-  for (int fd : fds) {
-    if (fd >= 0) tune(fd);
-  }
-  auto comm = std::make_unique<SocketCommunicator>(rank, size, instance, std::move(fds));
+  auto comm = std::make_unique<SocketCommunicator>(rank, size, instance, listener, store, timeout);
   for (auto& pair : comm->self_) {
-    if (::socketpair(AF_UNIX, SOCK_STREAM, 0, pair) != 0) fail_setup("socketpair()");
+    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) != 0) fail_setup("socketpair()");
     tune(pair[0]);
     tune(pair[1]);
   }
+  if (!on_first_use) comm->connect_all();
   return comm;
 }
 

@@ -193,13 +193,14 @@ void copy_between_ranks(char* to, const char* from, size_t bytes);
 void scale(at::ScalarType dtype, char* data, int64_t n, const Reduction& reduction, int divisor);
 
 // The transports. Both are collective over the group's store and block until every rank has
-// joined; null when the transport cannot serve this process (shared memory: no mirage session,
+// joined (sockets `on_first_use`: not collective, each pair connects at its first transfer); null when the transport cannot serve this process (shared memory: no mirage session,
 // or /dev/shm too small). With `p2p` (NCCL_P2P_DISABLE unset), shared memory copies large
 // messages straight between the ranks' device memory where every rank can map every peer's.
 std::unique_ptr<Communicator> connect_shared_memory(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                                     bool p2p, std::chrono::milliseconds timeout);
+// `on_first_use`: each pair of ranks connects at its first transfer (not collective).
 std::unique_ptr<Communicator> connect_sockets(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                              std::chrono::milliseconds timeout);
+                                              std::chrono::milliseconds timeout, bool on_first_use = false);
 // Ranks on isolated emulated nodes (MIRAGE_ISOLATED_NODES): shared memory within each node and
 // sockets across nodes (node_hierarchy.cpp); a group within one node is plain shared memory.
 std::unique_ptr<Communicator> connect_across_nodes(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
