@@ -9,23 +9,27 @@ a pipe's reader sees its end when the child closes it.
 
 Anything that keeps the hand-over from being exact returns before anything is sent, and the
 process simply goes on starting normally (interpreter.py, and `_compatible` below).
+
+Every Python process of a session runs this before its program, so it imports built-in modules
+only: `_socket`, `_signal` and `marshal` rather than socket, signal and json, which bring re,
+enum and selectors (15 ms a process; for 64 ranks on 2 cores, a second of start-up).
 """
 
 from __future__ import annotations
 
-import json
+import _signal
+import _socket
+import marshal
 import os
 import resource
-import signal
-import socket
 import sys
 
 from mirage.forkserver import SOCKET_ENV, interpreter
 
 HELLO_TIMEOUT_SECONDS = 120.0  # the server imports torch before it answers; a loaded machine is slow
 # Faults a waiter could raise itself: left at their defaults so such a fault is not swallowed.
-_NOT_FORWARDED = {signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD, signal.SIGSEGV, signal.SIGBUS,
-                  signal.SIGFPE, signal.SIGILL, signal.SIGTRAP, signal.SIGSYS}
+_NOT_FORWARDED = {_signal.SIGKILL, _signal.SIGSTOP, _signal.SIGCHLD, _signal.SIGSEGV, _signal.SIGBUS,
+                  _signal.SIGFPE, _signal.SIGILL, _signal.SIGTRAP, _signal.SIGSYS}
 
 
 def hand_off() -> None:
@@ -37,11 +41,11 @@ def hand_off() -> None:
     program = interpreter.describe(sys.orig_argv, sys.argv, sys.flags)
     if program is None:
         return
-    connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    connection = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
     try:
         connection.settimeout(HELLO_TIMEOUT_SECONDS)
         connection.connect(path)
-        hello = json.loads(connection.recv(1 << 16) or b"null")
+        hello = marshal.loads(connection.recv(1 << 16) or marshal.dumps(None))
         if not hello or not _compatible(hello):
             connection.close()
             return
@@ -50,15 +54,16 @@ def hand_off() -> None:
             "program": vars(program), "orig_argv": sys.orig_argv, "sys_path": sys.path,
             "env": dict(os.environ), "cwd": os.getcwd(), "umask": _umask(),
             "rlimits": {name: resource.getrlimit(getattr(resource, name)) for name in _rlimit_names()},
-            "ignored_signals": [int(s) for s in signal.valid_signals() if _ignored(s)],
-            "blocked_signals": [int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])],
+            "ignored_signals": [int(s) for s in _signal.valid_signals() if _ignored(s)],
+            "blocked_signals": [int(s) for s in _signal.pthread_sigmask(_signal.SIG_BLOCK, [])],
             "stdio": interpreter.describe_stdio(),
             "fds": [[fd, os.get_inheritable(fd)] for fd in fds],
             "waiter_pid": os.getpid(), "parent_pid": os.getppid(),
         }
-        socket.send_fds(connection, [json.dumps(request).encode()], fds)
+        rights = b"".join(fd.to_bytes(4, sys.byteorder) for fd in fds)  # an int array, as SCM_RIGHTS takes
+        connection.sendmsg([marshal.dumps(request)], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, rights)])
         reply = connection.recv(1 << 16)
-    except (OSError, ValueError):
+    except (OSError, ValueError, EOFError, TypeError):  # marshal: another interpreter's bytes
         connection.close()
         return  # no server, or it refused: start normally
     if not reply:
@@ -66,7 +71,7 @@ def hand_off() -> None:
         return
     connection.settimeout(None)
     try:
-        _wait(connection, json.loads(reply)["pid"], fds)
+        _wait(connection, marshal.loads(reply)["pid"], fds)
     finally:  # the program runs in the child: the waiter must never go on to run it too
         os._exit(1)
 
@@ -117,12 +122,12 @@ def _rlimit_names() -> list[str]:
 
 def _ignored(sig: int) -> bool:
     try:
-        return signal.getsignal(sig) == signal.SIG_IGN
+        return _signal.getsignal(sig) == _signal.SIG_IGN
     except ValueError:
         return False
 
 
-def _wait(connection: socket.socket, child: int, handed_over: list[int]) -> None:
+def _wait(connection: _socket.socket, child: int, handed_over: list[int]) -> None:
     """The waiter: forwards signals to the child's group until the server reports its end,
     then ends the same way."""
     def forward(signum: int, _frame) -> None:
@@ -131,10 +136,10 @@ def _wait(connection: socket.socket, child: int, handed_over: list[int]) -> None
         except (ProcessLookupError, PermissionError):
             pass
 
-    for sig in signal.valid_signals():
+    for sig in _signal.valid_signals():
         if sig not in _NOT_FORWARDED and not _ignored(sig):
             try:
-                signal.signal(sig, forward)
+                _signal.signal(sig, forward)
             except (OSError, ValueError):
                 pass
     for fd in handed_over:
@@ -146,13 +151,13 @@ def _wait(connection: socket.socket, child: int, handed_over: list[int]) -> None
         reply = b""
     if not reply:
         try:
-            os.killpg(child, signal.SIGKILL)
+            os.killpg(child, _signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         os.write(2, f"mirage: the fork server ended before process {child} did; it was killed. "
                     "Fix: rerun; `mirage run --no-fork-server` starts every process on its own.\n".encode())
         os._exit(1)
-    code = os.waitstatus_to_exitcode(json.loads(reply)["status"])
+    code = os.waitstatus_to_exitcode(marshal.loads(reply)["status"])
     if code < 0:
         _die_by(-code)
     os._exit(code)
@@ -160,8 +165,8 @@ def _wait(connection: socket.socket, child: int, handed_over: list[int]) -> None
 
 def _die_by(signum: int) -> None:
     """Ends this process by `signum`, as its child ended, so the parent sees the same status."""
-    if signum not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset
-        signal.signal(signum, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+    if signum not in (_signal.SIGKILL, _signal.SIGSTOP):  # those two have no handler to reset
+        _signal.signal(signum, _signal.SIG_DFL)
+    _signal.pthread_sigmask(_signal.SIG_UNBLOCK, [signum])
     os.kill(os.getpid(), signum)
     os._exit(128 + signum)  # a signal whose default is not to end the process

@@ -7,7 +7,8 @@ wait status when it ends and kills the child's process group if the waiter's con
 first (the waiter was killed). The server runs one thread, before and after fork: a fork from a
 threaded process could copy a lock some thread held, and OpenMP's pool is never started here.
 
-Protocol (SOCK_SEQPACKET, one JSON object a message): server -> "hello" (interpreter, flags);
+Protocol (SOCK_SEQPACKET, one marshal-ed dict a message: both ends are the same interpreter, and
+the waiter's side needs no import for it): server -> "hello" (interpreter, flags);
 client -> request, with the fds it hands over as SCM_RIGHTS; server -> {"pid": child};
 server -> {"status": wait status} when the child ends.
 """
@@ -18,7 +19,7 @@ import ctypes
 import fcntl
 import gc
 import importlib
-import json
+import marshal
 import os
 import resource
 import selectors
@@ -39,6 +40,7 @@ MAX_REQUEST_BYTES = 4 << 20
 # own command line so that /proc/<pid>/cmdline (ps, pgrep -f) shows the program, not the server.
 COMMAND_LINE_ROOM = 8192
 MAX_FDS = 253  # SCM_MAX_FD: what one message can carry
+MAX_SERVERS = 4  # the server and its twins (see _become_one_of_twins)
 _PR_SET_PDEATHSIG = 1
 # Modules a session's processes import anyway (torchrun, DDP, the runtime's pieces): imported
 # here once, so each child finds them in sys.modules instead of building them in private memory.
@@ -103,13 +105,13 @@ def start(process_env: dict[str, str], socket_path: Path, argv_prefix: Sequence[
 def _hello() -> bytes:
     """What a process checks before handing itself over: the same interpreter, started with
     the same options (interpreter.py says which may differ)."""
-    return json.dumps({
+    return marshal.dumps({
         "executable": os.path.realpath(sys.executable), "version": sys.version,
         "flags": {name: getattr(sys.flags, name) for name in dir(sys.flags) if not name.startswith(("_", "n_"))
                   and not callable(getattr(sys.flags, name))},
         "xoptions": sys._xoptions, "warnoptions": sys.warnoptions,
         "hash_seed": os.environ.get("PYTHONHASHSEED"),
-    }).encode()
+    })
 
 
 @dataclass
@@ -141,7 +143,7 @@ class Handoff:
         sys.orig_argv[:] = self.request["orig_argv"]
         _show_command_line(self.request["orig_argv"])
         _fresh_multiprocessing_identity()
-        importlib.invalidate_caches()
+        _forget_directory_listings(self.request["sys_path"])
         threads = os.environ.get("OMP_NUM_THREADS")
         if threads != self.server_threads and threads and threads.isdigit() and int(threads) > 0:
             self.torch.set_num_threads(int(threads))  # OpenMP read the server's value at load
@@ -246,6 +248,17 @@ def _show_command_line(argv: list[str]) -> None:
     ctypes.memmove(start, text + b"\0" * (end - start - len(text)), end - start)
 
 
+def _forget_directory_listings(sys_path: list[str]) -> None:
+    """The import system's listings of the program's import directories, taken when the server
+    imported torch, are read again (a module written since then is found). Only these: the
+    server's hundreds of package directories are torch's own, and invalidating every finder
+    (importlib.invalidate_caches) would copy their pages into every child."""
+    for entry in sys_path:
+        finder = sys.path_importer_cache.get(entry)
+        if finder is not None and hasattr(finder, "invalidate_caches"):
+            finder.invalidate_caches()
+
+
 def _fresh_multiprocessing_identity() -> None:
     """A new process draws its own multiprocessing authkey; children of the server would all
     share the server's."""
@@ -267,6 +280,8 @@ def serve(listener: socket.socket) -> Handoff:
     gc.freeze()  # the collector never writes to the heap the children share
     hello = _hello()
     server_threads = os.environ.get("OMP_NUM_THREADS")
+    _become_one_of_twins(prctl)
+    listener.setblocking(False)  # twins share it: the other may have taken the connection
 
     wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_write)
@@ -279,7 +294,10 @@ def serve(listener: socket.socket) -> Handoff:
     while True:
         for key, _ in selector.select():
             if key.data == "listener":
-                connection, _ = listener.accept()
+                try:
+                    connection, _ = listener.accept()
+                except BlockingIOError:
+                    continue
                 try:
                     connection.send(hello)
                 except OSError:
@@ -321,14 +339,14 @@ def serve(listener: socket.socket) -> Handoff:
                     selector.close()
                     os.close(wake_read)
                     os.close(wake_write)
-                    return Handoff(json.loads(message), fds, torch, server_threads)
+                    return Handoff(marshal.loads(message), fds, torch, server_threads)
                 for fd in fds:
                     os.close(fd)
                 selector.modify(connection, selectors.EVENT_READ, "running")
                 children[pid] = connection
                 running[connection] = pid
                 try:
-                    connection.send(json.dumps({"pid": pid}).encode())
+                    connection.send(marshal.dumps({"pid": pid}))
                 except OSError:
                     pass  # the waiter is gone: its connection reads as closed next
             else:  # "running": the only thing a waiter sends afterwards is its end
@@ -348,6 +366,21 @@ def serve(listener: socket.socket) -> Handoff:
                         pass
 
 
+def _become_one_of_twins(prctl) -> None:
+    """Forks copies of the server that accept on the same socket, one per further CPU (at most
+    MAX_SERVERS in all), so that a burst of processes (64 ranks at start) is forked on every
+    CPU: each fork copies the server's page tables (about 12 ms for its ~300 MB), one after the
+    other in a single server. A twin ends with the server that made it; each reports on the
+    children it forked. Returns in the server and in each twin."""
+    server = os.getpid()
+    for _ in range(min(len(os.sched_getaffinity(0)), MAX_SERVERS) - 1):
+        if os.fork() == 0:
+            prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != server:  # the server ended before the line above
+                os._exit(1)
+            return
+
+
 def _reap(children: dict, running: dict, selector: selectors.BaseSelector) -> None:
     """Collects ended children and tells each one's waiter how it ended."""
     while True:
@@ -363,7 +396,7 @@ def _reap(children: dict, running: dict, selector: selectors.BaseSelector) -> No
         running.pop(connection, None)
         selector.unregister(connection)
         try:
-            connection.send(json.dumps({"status": status}).encode())
+            connection.send(marshal.dumps({"status": status}))
         except OSError:
             pass
         connection.close()

@@ -407,24 +407,16 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
             except containers.ImageError as err:
                 raise LaunchError(str(err)) from None
             in_image = containers.NodeContainers(request.image, session_id, session_dir, cache, image_shim, image_nccl)
-        namespaces = _isolate(request, session_id, session_dir)
-        head = cluster.head_address if cluster else namespaces.addresses[0] if namespaces else HEAD_ADDR
         timing_dir = session_dir / "timing"
         processes = placements(request.num_nodes, request.nproc_per_node)
         local_nodes = range(cluster.first_node, cluster.first_node + cluster.nodes_per_host) if cluster else None
         if local_nodes:
             processes = [place for place in processes if place.node in local_nodes]
-        narrate(f"session {session_id} ({request.num_nodes} node(s) x {gpus} x {profile.torch_name}, "
-                f"{len(processes)} process(es)" + (f", in containers of image {request.image})" if in_image else ")"))
         emulator = {
             "MIRAGE_SHIM_PATH": str(shim),
             "MIRAGE_NCCL_PATH": str(shim_build.nccl_module_path()),
             "MIRAGE_PROFILE": str(profile.path),
             "MIRAGE_NUM_GPUS": str(gpus),
-            # Isolated nodes: the emulated NCCL goes through each node's eth0 between nodes, and
-            # gloo finds its address from the hostname (/etc/hosts), as on a cluster. Otherwise
-            # every emulated node is on loopback (gloo groups a user asks for included).
-            **({"MIRAGE_ISOLATED_NODES": "1"} if namespaces or cluster else {"GLOO_SOCKET_IFNAME": "lo"}),
             # Scratch (torchrun's error files, tempfile) lives and dies with the session.
             "TMPDIR": str(scratch),
         }
@@ -450,6 +442,32 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
         user = environment.parse_assignments(request.env)
         port = cluster.master_port if cluster else free_port()
         per_node = request.nproc_per_node or 1
+        if per_node > 1 and "OMP_NUM_THREADS" not in user and (request.clear_env or "OMP_NUM_THREADS" not in os.environ):
+            # As torchrun does for several processes a node: each rank's OpenMP workers would
+            # otherwise spin on cores the other ranks need (with backward on the calling thread,
+            # libgomp no longer throttles them: tests/test_distributed's 8-rank DDP took 15x longer).
+            narrate("setting OMP_NUM_THREADS=1 for each rank, as torchrun does; set it yourself to change it")
+            user = {**user, "OMP_NUM_THREADS": "1"}
+        # The session's processes start as forks of it (mirage/forkserver); not in containers of
+        # another image, whose torch is not the server's. Started first: its import of torch
+        # (seconds) is what the first rank waits for, and needs neither the nodes nor the service.
+        if request.fork_server and request.image is None:
+            try:
+                fork_server = fork_server_process.start(
+                    environment.build(emulator=emulator, user=user, clear=request.clear_env,
+                                      identity=identity(session_id, session_dir, processes[0], request.num_nodes, port)),
+                    session_dir / forkserver.SOCKET_NAME)
+                emulator[forkserver.SOCKET_ENV] = str(fork_server.socket_path)
+            except OSError as err:
+                narrate(f"the fork server could not start ({err}); every process starts on its own")
+        namespaces = _isolate(request, session_id, session_dir)
+        head = cluster.head_address if cluster else namespaces.addresses[0] if namespaces else HEAD_ADDR
+        # Isolated nodes: the emulated NCCL goes through each node's eth0 between nodes, and gloo
+        # finds its address from the hostname (/etc/hosts), as on a cluster. Otherwise every
+        # emulated node is on loopback (gloo groups a user asks for included).
+        emulator.update({"MIRAGE_ISOLATED_NODES": "1"} if namespaces or cluster else {"GLOO_SOCKET_IFNAME": "lo"})
+        narrate(f"session {session_id} ({request.num_nodes} node(s) x {gpus} x {profile.torch_name}, "
+                f"{len(processes)} process(es)" + (f", in containers of image {request.image})" if in_image else ")"))
 
         def node_environment(node: int, exec_lease: bool = False) -> dict[str, str]:
             place = Placement(node, 0, node * per_node, request.num_nodes * per_node)
@@ -483,23 +501,6 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
             recorder.start()
             emulator.update(service.environment())
         single = len(processes) == 1
-        if per_node > 1 and "OMP_NUM_THREADS" not in user and (request.clear_env or "OMP_NUM_THREADS" not in os.environ):
-            # As torchrun does for several processes a node: each rank's OpenMP workers would
-            # otherwise spin on cores the other ranks need (with backward on the calling thread,
-            # libgomp no longer throttles them: tests/test_distributed's 8-rank DDP took 15x longer).
-            narrate("setting OMP_NUM_THREADS=1 for each rank, as torchrun does; set it yourself to change it")
-            user = {**user, "OMP_NUM_THREADS": "1"}
-        # The session's processes start as forks of it (mirage/forkserver); not in containers of
-        # another image, whose torch is not the server's.
-        if request.fork_server and request.image is None:
-            try:
-                fork_server = fork_server_process.start(
-                    environment.build(emulator=emulator, user=user, clear=request.clear_env,
-                                      identity=identity(session_id, session_dir, processes[0], request.num_nodes, port)),
-                    session_dir / forkserver.SOCKET_NAME)
-                emulator[forkserver.SOCKET_ENV] = str(fork_server.socket_path)
-            except OSError as err:
-                narrate(f"the fork server could not start ({err}); every process starts on its own")
         if not single and stdin_has_input():
             narrate("stdin has input, but no rank of a multi-process job reads stdin")
         for place in processes:
