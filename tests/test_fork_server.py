@@ -48,19 +48,22 @@ def test_a_script_sees_its_argv_env_cwd_main_and_devices(tmp_path):
             "name": __name__, "file": __file__, "path0": sys.path[0], "cwd": os.getcwd(),
             "user_env": os.environ.get("USER_SETTING"), "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "devices": torch.cuda.device_count(), "on_device": str(torch.ones(2, device="cuda").sum().item()),
-            "ppid_is_waiters_parent": os.getppid() != real_parent(os.getpid()),
+            "ppid_is_waiters_parent": os.getppid() != real_parent(os.getpid()), "nice": os.nice(0),
         }))
     """)
     workdir = tmp_path / "work"
     workdir.mkdir()
+    # Under nice(1): the program has its waiter's priority, not the server's (which is raised).
     result = mirage("run", "--gpus-per-node", "4", "--workdir", str(workdir), "--env", "USER_SETTING=yes",
-                    "--env", "CUDA_VISIBLE_DEVICES=1,3", "--quiet", "--", "python", str(script), "a", "--b")
+                    "--env", "CUDA_VISIBLE_DEVICES=1,3", "--quiet", "--", "nice", "-n", "3", "python", str(script),
+                    "a", "--b")
     assert result.returncode == 0, result.stderr
     seen = _json_line(result.stdout)
     assert seen == {
         "forked": True, "argv": [str(script), "a", "--b"], "orig_argv": [str(script), "a", "--b"],
         "name": "__main__", "file": str(script), "path0": str(tmp_path), "cwd": str(workdir),
         "user_env": "yes", "visible": "1,3", "devices": 2, "on_device": "2.0", "ppid_is_waiters_parent": True,
+        "nice": min(os.nice(0) + 3, 19),
     }
 
 

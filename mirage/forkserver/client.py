@@ -7,8 +7,9 @@ the waiter is killed outright (SIGKILL), the server sees its connection close an
 child's group. It closes every fd it handed over but stderr (kept to report a lost server), so
 a pipe's reader sees its end when the child closes it.
 
-Anything that keeps the hand-over from being exact returns before anything is sent, and the
-process simply goes on starting normally (interpreter.py, and `_compatible` below).
+Anything that keeps the hand-over from being exact (interpreter.py; the server refuses another
+interpreter, or one started with options it cannot take on) leaves the process to go on
+starting normally.
 
 Every Python process of a session runs this before its program, so it imports built-in modules
 only: `_socket`, `_signal` and `marshal` rather than socket, signal and json, which bring re,
@@ -26,7 +27,7 @@ import sys
 
 from mirage.forkserver import SOCKET_ENV, interpreter
 
-HELLO_TIMEOUT_SECONDS = 120.0  # the server imports torch before it answers; a loaded machine is slow
+REPLY_TIMEOUT_SECONDS = 120.0  # the server imports torch before it answers; a loaded machine is slow
 # Faults a waiter could raise itself: left at their defaults so such a fault is not swallowed.
 _NOT_FORWARDED = {_signal.SIGKILL, _signal.SIGSTOP, _signal.SIGCHLD, _signal.SIGSEGV, _signal.SIGBUS,
                   _signal.SIGFPE, _signal.SIGILL, _signal.SIGTRAP, _signal.SIGSYS}
@@ -43,14 +44,13 @@ def hand_off() -> None:
         return
     connection = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
     try:
-        connection.settimeout(HELLO_TIMEOUT_SECONDS)
+        connection.settimeout(REPLY_TIMEOUT_SECONDS)
         connection.connect(path)
-        hello = marshal.loads(connection.recv(1 << 16) or marshal.dumps(None))
-        if not hello or not _compatible(hello):
-            connection.close()
-            return
         fds = _open_fds(connection.fileno())
+        # Sent at once, while the server may still be importing torch: it checks the
+        # interpreter itself, and finds every waiting request together when it is ready.
         request = {
+            "interpreter": interpreter.identity(),
             "program": vars(program), "orig_argv": sys.orig_argv, "sys_path": sys.path,
             "env": dict(os.environ), "cwd": os.getcwd(), "umask": _umask(),
             "rlimits": {name: resource.getrlimit(getattr(resource, name)) for name in _rlimit_names()},
@@ -59,19 +59,20 @@ def hand_off() -> None:
             "stdio": interpreter.describe_stdio(),
             "fds": [[fd, os.get_inheritable(fd)] for fd in fds],
             "waiter_pid": os.getpid(), "parent_pid": os.getppid(),
+            "nice": os.getpriority(os.PRIO_PROCESS, 0),
         }
         rights = b"".join(fd.to_bytes(4, sys.byteorder) for fd in fds)  # an int array, as SCM_RIGHTS takes
         connection.sendmsg([marshal.dumps(request)], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, rights)])
-        reply = connection.recv(1 << 16)
+        reply = marshal.loads(connection.recv(1 << 16) or marshal.dumps(None))
     except (OSError, ValueError, EOFError, TypeError):  # marshal: another interpreter's bytes
         connection.close()
-        return  # no server, or it refused: start normally
-    if not reply:
+        return  # no server: start normally
+    if not isinstance(reply, dict) or "pid" not in reply:
         connection.close()
-        return
+        return  # refused (another interpreter or its options, or no process left): start normally
     connection.settimeout(None)
     try:
-        _wait(connection, marshal.loads(reply)["pid"], fds)
+        _wait(connection, reply["pid"], fds)
     finally:  # the program runs in the child: the waiter must never go on to run it too
         os._exit(1)
 
@@ -81,18 +82,6 @@ def _stdin_is_terminal() -> bool:
         return os.isatty(0)
     except OSError:
         return False
-
-
-def _compatible(hello: dict) -> bool:
-    """The server's interpreter is this one, started with the options this one was (but those
-    the child can take on: interpreter.ADJUSTABLE_FLAGS), and the same hash seed."""
-    if hello["executable"] != os.path.realpath(sys.executable) or hello["version"] != sys.version:
-        return False
-    for name, value in hello["flags"].items():
-        if name not in interpreter.ADJUSTABLE_FLAGS and getattr(sys.flags, name, value) != value:
-            return False
-    return (hello["xoptions"] == sys._xoptions and hello["warnoptions"] == sys.warnoptions
-            and hello["hash_seed"] == os.environ.get("PYTHONHASHSEED"))
 
 
 def _open_fds(connection_fd: int) -> list[int]:

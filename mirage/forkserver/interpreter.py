@@ -31,6 +31,28 @@ ADJUSTABLE_FLAGS = ("dont_write_bytecode", "safe_path", "quiet")
 _OPTIONS_WITH_VALUE = "WX"  # -W arg, -X arg
 
 
+def identity() -> dict:
+    """This interpreter and the options it was started with, as a hand-over compares them."""
+    return {
+        "executable": os.path.realpath(sys.executable), "version": sys.version,
+        "flags": {name: getattr(sys.flags, name) for name in dir(sys.flags) if not name.startswith(("_", "n_"))
+                  and not callable(getattr(sys.flags, name))},
+        "xoptions": sys._xoptions, "warnoptions": sys.warnoptions,
+        "hash_seed": os.environ.get("PYTHONHASHSEED"),
+    }
+
+
+def compatible(server: dict, process: dict) -> bool:
+    """Whether a process of interpreter `process` (identity()) can be forked from a server of
+    interpreter `server`: the same interpreter, started with the same options but those the
+    child can take on (ADJUSTABLE_FLAGS), and the same hash seed."""
+    if any(process.get(key) != server[key] for key in ("executable", "version", "xoptions", "warnoptions",
+                                                       "hash_seed")):
+        return False
+    flags = process.get("flags") or {}
+    return all(flags.get(name) == value for name, value in server["flags"].items() if name not in ADJUSTABLE_FLAGS)
+
+
 class Program:
     """The program a command line runs: kind is "script", "module" or "code". A plain class,
     not a dataclass: every handed-over process imports this module, and dataclasses' imports

@@ -8,9 +8,15 @@ first (the waiter was killed). The server runs one thread, before and after fork
 threaded process could copy a lock some thread held, and OpenMP's pool is never started here.
 
 Protocol (SOCK_SEQPACKET, one marshal-ed dict a message: both ends are the same interpreter, and
-the waiter's side needs no import for it): server -> "hello" (interpreter, flags);
-client -> request, with the fds it hands over as SCM_RIGHTS; server -> {"pid": child};
-server -> {"status": wait status} when the child ends.
+the waiter's side needs no import for it): client -> request (its interpreter, program, process
+state) with the fds it hands over as SCM_RIGHTS, sent as soon as it connects, while the server
+may still be importing torch; server -> {"pid": child} or {"refused": why}; server ->
+{"status": wait status} when the child ends.
+
+A burst (a job's ranks start together, and wait for the import together) is served in start
+order, rank 0 first: it hosts the job's TCPStore, which the other ranks' clients otherwise find
+closed and retry a second later. It is forked on every CPU: the server has twins, copies made
+after the import, and hands them every other request of a burst (_become_one_of_twins).
 """
 
 from __future__ import annotations
@@ -86,8 +92,8 @@ def start(process_env: dict[str, str], socket_path: Path, argv_prefix: Sequence[
     something (e.g. `nsenter ...` for a node's namespaces).
 
     The socket is bound and listening before this returns, so a process started right after
-    connects at once and waits for the server's hello while torch is imported (no start-up
-    race, no polling); the server gets the listening socket as an inherited fd."""
+    connects and sends its request at once, and waits for the answer while torch is imported
+    (no start-up race, no polling); the server gets the listening socket as an inherited fd."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         listener.bind(str(socket_path))
@@ -102,18 +108,6 @@ def start(process_env: dict[str, str], socket_path: Path, argv_prefix: Sequence[
     return ForkServer(process, socket_path)
 
 
-def _hello() -> bytes:
-    """What a process checks before handing itself over: the same interpreter, started with
-    the same options (interpreter.py says which may differ)."""
-    return marshal.dumps({
-        "executable": os.path.realpath(sys.executable), "version": sys.version,
-        "flags": {name: getattr(sys.flags, name) for name in dir(sys.flags) if not name.startswith(("_", "n_"))
-                  and not callable(getattr(sys.flags, name))},
-        "xoptions": sys._xoptions, "warnoptions": sys.warnoptions,
-        "hash_seed": os.environ.get("PYTHONHASHSEED"),
-    })
-
-
 @dataclass
 class Handoff:
     """One child's process, as the waiter described it; `take_over` makes this process it."""
@@ -124,6 +118,10 @@ class Handoff:
     server_threads: str | None
 
     def take_over(self) -> NoReturn:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, self.request["nice"])  # the waiter's, not the server's
+        except OSError:
+            pass  # a waiter above the server's priority: the server's (never higher than it may take)
         os.setsid()  # a session of its own: no terminal of the server's, its own group to signal
         _enter_namespaces_of(self.request["waiter_pid"])
         _install_fds(self.fds, self.request["fds"])
@@ -272,38 +270,44 @@ def serve(listener: socket.socket) -> Handoff:
     prctl = ctypes.CDLL(None, use_errno=True).prctl
     prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the run is gone: so is its server
     gc.disable()
+    _take_precedence()
     from mirage.runtime import boot
 
     torch = boot.import_torch_for_fork_server()
     for name in PRELOADED_MODULES:
         importlib.import_module(name)
+    if os.environ.get("MIRAGE_NCCL_PATH"):
+        from mirage.runtime import distributed
+
+        distributed.load_backend_module()
     gc.freeze()  # the collector never writes to the heap the children share
-    hello = _hello()
+    server = interpreter.identity()
     server_threads = os.environ.get("OMP_NUM_THREADS")
-    _become_one_of_twins(prctl)
-    listener.setblocking(False)  # twins share it: the other may have taken the connection
+    twins, dispatcher = _become_one_of_twins(prctl)
+    listener.setblocking(False)  # accepted until none is left
 
     wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ, "listener")
     selector.register(wake_read, selectors.EVENT_READ, "wake")
+    if dispatcher is None:
+        selector.register(listener, selectors.EVENT_READ, "listener")
+    else:  # a twin takes its requests from the server alone
+        listener.close()
+        selector.register(dispatcher, selectors.EVENT_READ, "dispatched")
     children: dict[int, socket.socket | None] = {}  # child pid -> its waiter's connection (None: gone)
     running: dict[socket.socket, int] = {}     # waiter connection -> child pid
     while True:
+        requests: list[tuple[socket.socket, dict, list[int]]] = []
         for key, _ in selector.select():
             if key.data == "listener":
-                try:
-                    connection, _ = listener.accept()
-                except BlockingIOError:
-                    continue
-                try:
-                    connection.send(hello)
-                except OSError:
-                    connection.close()
-                    continue
-                selector.register(connection, selectors.EVENT_READ, "request")
+                while True:  # every waiting process: their requests are sorted together
+                    try:
+                        connection, _ = listener.accept()
+                    except BlockingIOError:
+                        break
+                    selector.register(connection, selectors.EVENT_READ, "request")
             elif key.data == "wake":
                 while True:
                     try:
@@ -314,41 +318,17 @@ def serve(listener: socket.socket) -> Handoff:
                 _reap(children, running, selector)
             elif key.data == "request":
                 connection = key.fileobj
-                try:
-                    message, fds, _, _ = socket.recv_fds(connection, MAX_REQUEST_BYTES, MAX_FDS)
-                except OSError:
-                    message, fds = b"", []
-                if not message:
-                    selector.unregister(connection)
-                    connection.close()
-                    continue
-                try:
-                    pid = os.fork()
-                except OSError:  # no memory or process left: the waiter starts its program itself
-                    for fd in fds:
-                        os.close(fd)
-                    selector.unregister(connection)
-                    connection.close()
-                    continue
-                if pid == 0:
-                    # Every socket closed through its object (closing its fd behind its back
-                    # would let a later garbage collection close a reused number).
-                    for registered in list(selector.get_map().values()):
-                        if isinstance(registered.fileobj, socket.socket):
-                            registered.fileobj.close()
-                    selector.close()
-                    os.close(wake_read)
-                    os.close(wake_write)
-                    return Handoff(marshal.loads(message), fds, torch, server_threads)
-                for fd in fds:
-                    os.close(fd)
-                selector.modify(connection, selectors.EVENT_READ, "running")
-                children[pid] = connection
-                running[connection] = pid
-                try:
-                    connection.send(marshal.dumps({"pid": pid}))
-                except OSError:
-                    pass  # the waiter is gone: its connection reads as closed next
+                selector.unregister(connection)
+                request, fds = _receive(connection)
+                if request is not None and interpreter.compatible(server, request.get("interpreter", {})):
+                    requests.append((connection, request, fds))
+                else:
+                    _refuse(connection, fds, "another interpreter, or options it was started with")
+            elif key.data == "dispatched":
+                request, fds = _receive(key.fileobj)
+                if request is None:
+                    os._exit(0)  # the server that made this twin is gone
+                requests.append((socket.socket(fileno=fds[0]), request, fds[1:]))
             else:  # "running": the only thing a waiter sends afterwards is its end
                 connection = key.fileobj
                 try:
@@ -364,21 +344,120 @@ def serve(listener: socket.socket) -> Handoff:
                         os.killpg(pid, signal.SIGKILL)
                     except (ProcessLookupError, PermissionError):
                         pass
+        requests.sort(key=_start_order)
+        for position, (connection, request, fds) in enumerate(requests):
+            if position % (len(twins) + 1) and _dispatch(twins[position % (len(twins) + 1) - 1], connection, request,
+                                                         fds):
+                continue
+            try:
+                pid = os.fork()
+            except OSError:  # no memory or process left: the waiter starts its program itself
+                _refuse(connection, fds, "fork failed")
+                continue
+            if pid == 0:
+                # Every socket closed through its object (closing its fd behind its back
+                # would let a later garbage collection close a reused number); the other
+                # requests' fds are closed with the rest the server had (_install_fds).
+                for registered in list(selector.get_map().values()):
+                    if isinstance(registered.fileobj, socket.socket):
+                        registered.fileobj.close()
+                for other, _, _ in requests:
+                    other.close()
+                for twin in twins:
+                    twin.close()
+                selector.close()
+                os.close(wake_read)
+                os.close(wake_write)
+                return Handoff(request, fds, torch, server_threads)
+            for fd in fds:
+                os.close(fd)
+            selector.register(connection, selectors.EVENT_READ, "running")
+            children[pid] = connection
+            running[connection] = pid
+            try:
+                connection.send(marshal.dumps({"pid": pid}))
+            except OSError:
+                pass  # the waiter is gone: its connection reads as closed next
 
 
-def _become_one_of_twins(prctl) -> None:
-    """Forks copies of the server that accept on the same socket, one per further CPU (at most
-    MAX_SERVERS in all), so that a burst of processes (64 ranks at start) is forked on every
-    CPU: each fork copies the server's page tables (about 12 ms for its ~300 MB), one after the
-    other in a single server. A twin ends with the server that made it; each reports on the
-    children it forked. Returns in the server and in each twin."""
+def _receive(connection: socket.socket) -> tuple[dict | None, list[int]]:
+    """One request and its fds; None for a closed connection or bytes that are not one."""
+    try:
+        message, fds, _, _ = socket.recv_fds(connection, MAX_REQUEST_BYTES, MAX_FDS + 1)
+    except OSError:
+        return None, []
+    try:
+        request = marshal.loads(message) if message else None
+    except (ValueError, EOFError, TypeError):
+        request = None
+    return (request if isinstance(request, dict) else None), fds
+
+
+def _refuse(connection: socket.socket, fds: list[int], why: str) -> None:
+    """Tells a waiter to start its program itself."""
+    for fd in fds:
+        os.close(fd)
+    try:
+        connection.send(marshal.dumps({"refused": why}))
+    except OSError:
+        pass
+    connection.close()
+
+
+def _dispatch(twin: socket.socket, connection: socket.socket, request: dict, fds: list[int]) -> bool:
+    """Hands a request and its waiter's connection to a twin, which forks it; False when it
+    cannot (the twin is gone, or the request is too large for one message): forked here."""
+    try:
+        socket.send_fds(twin, [marshal.dumps(request)], [connection.fileno(), *fds])
+    except OSError:
+        return False
+    for fd in fds:
+        os.close(fd)
+    connection.close()
+    return True
+
+
+def _start_order(received: tuple[socket.socket, dict, list[int]]) -> int:
+    """Processes without a rank (a launcher such as torchrun's agent) first, then by RANK."""
+    rank = received[1]["env"].get("RANK", "")
+    return int(rank) if rank.isdigit() else -1
+
+
+def _take_precedence() -> None:
+    """The highest scheduling priority this process may take (root's: nice -20). A session's
+    processes start while the server imports torch, single-threaded, for seconds: every rank
+    waits for that import, so it is what should get a CPU first. Each child takes its waiter's
+    own nice value back (Handoff.take_over), so no program runs at the server's priority."""
+    for nice in (-20, -10, -5):
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
+            return
+        except OSError:
+            continue  # not allowed (no CAP_SYS_NICE, or RLIMIT_NICE): the next, or as it is
+
+
+def _become_one_of_twins(prctl) -> tuple[list[socket.socket], socket.socket | None]:
+    """Forks copies of the server, one per further CPU (at most MAX_SERVERS in all): each fork
+    copies the server's page tables (about 12 ms for its ~300 MB), so one server forks a burst
+    of 64 ranks one after the other. The server sorts a burst and hands every other request to
+    a twin, which forks it and reports on it; a twin ends with the server that made it.
+    Returns, in the server, its ends of the twins' connections (and None); in a twin, no twins
+    and its end of the connection to the server."""
     server = os.getpid()
+    twins: list[socket.socket] = []
     for _ in range(min(len(os.sched_getaffinity(0)), MAX_SERVERS) - 1):
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         if os.fork() == 0:
             prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             if os.getppid() != server:  # the server ended before the line above
                 os._exit(1)
-            return
+            mine.close()
+            for twin in twins:
+                twin.close()
+            return [], theirs
+        theirs.close()
+        twins.append(mine)
+    return twins, None
 
 
 def _reap(children: dict, running: dict, selector: selectors.BaseSelector) -> None:

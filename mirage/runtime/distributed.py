@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import gc
 import hashlib
 import importlib.machinery
@@ -41,8 +42,11 @@ _NCCL_VERSION = (2, 27, 5)
 _RCCL_VERSION = (2, 26, 6)
 
 
-def _load_backend_module() -> ModuleType:
-    """The emulated NCCL extension (built with the shim; MIRAGE_NCCL_PATH names it)."""
+@functools.cache
+def load_backend_module() -> ModuleType:
+    """The emulated NCCL extension (built with the shim; MIRAGE_NCCL_PATH names it), loaded
+    once: the fork server loads it before forking (mirage/forkserver), so its ranks do not each
+    map and relocate it."""
     path = os.environ["MIRAGE_NCCL_PATH"]
     loader = importlib.machinery.ExtensionFileLoader("mirage_nccl", path)
     spec = importlib.util.spec_from_file_location("mirage_nccl", path, loader=loader)
@@ -159,7 +163,7 @@ def install(torch: ModuleType) -> None:
     if not dist.is_available() or not os.environ.get("MIRAGE_NCCL_PATH"):
         return
     c10d = dist.distributed_c10d
-    module = _load_backend_module()
+    module = load_backend_module()
     backend_class = module.ProcessGroupNCCL
     backend_class.__module__ = "torch.distributed.distributed_c10d"
     c10d.ProcessGroupNCCL = dist.ProcessGroupNCCL = torch._C._distributed_c10d.ProcessGroupNCCL = backend_class
