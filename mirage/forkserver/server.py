@@ -397,8 +397,13 @@ def _refuse(connection: socket.socket, fds: list[int], why: str) -> None:
     """Tells a waiter to start its program itself."""
     for fd in fds:
         os.close(fd)
+    _last_word(connection, {"refused": why})
+
+
+def _last_word(connection: socket.socket, message: dict) -> None:
+    """Sends a waiter its last message (a waiter already gone misses it) and hangs up."""
     try:
-        connection.send(marshal.dumps({"refused": why}))
+        connection.send(marshal.dumps(message))
     except OSError:
         pass
     connection.close()
@@ -474,11 +479,7 @@ def _reap(children: dict, running: dict, selector: selectors.BaseSelector) -> No
             continue
         running.pop(connection, None)
         selector.unregister(connection)
-        try:
-            connection.send(marshal.dumps({"status": status}))
-        except OSError:
-            pass
-        connection.close()
+        _last_word(connection, {"status": status})
 
 
 def main() -> None:
