@@ -6,12 +6,14 @@ For each case, `mirage run` as it starts by default (the fork server) against
 `mirage run --no-fork-server`, one after the other in the same run:
 
 * 32 and 64 ranks (4 and 8 nodes x 8): start-up, from launch to the moment the last rank has finished its
-  first collective (each rank prints the time it finished its first all_reduce); peak host
+  first collective (each rank prints the time it finished its first all_reduce), the median of
+  three jobs (one job's figure moves by half a second with the machine's other load); peak host
   memory (the largest sum, over the run's process tree, of each process's Pss, sampled every
   0.5 s); per-rank unique memory (smaps_rollup Private_Dirty + Private_Clean, read by each
   rank right after that collective; the median over ranks).
-* 8-rank all_reduce bus bandwidth on 64 MiB tensors, the median of three jobs (the fork server
-  must not slow collectives).
+* 8-rank all_reduce bus bandwidth on 64 MiB tensors: seven jobs a side, the two sides taking
+  turns (so that a change in the machine's load falls on both), the median and range of each
+  (the fork server must not slow collectives).
 * 256 ranks (32 nodes x 8): dist_smoke and the DDP demo (ddp_mlp.py, 5 steps), wall time and
   peak host memory.
 
@@ -136,35 +138,46 @@ def refusal(result: dict) -> dict | None:
                             result["stderr"]).strip()}
 
 
+STARTUP_JOBS = 3
+BUSBW_JOBS = 7
+
+
 def startup_case(probe: Path, server: bool, nodes: int) -> dict:
+    """The median job of STARTUP_JOBS by start-up; its memory figures with it."""
     flags = [] if server else ["--no-fork-server"]
-    result = mirage([*flags, "--num-nodes", str(nodes), "--nproc-per-node", "8", "--gpus-per-node", "8", "--",
-                     "python", str(probe)])
-    refused = refusal(result)
-    if refused:
-        return refused
-    checked(result, f"{nodes * 8}-rank start-up")
-    firsts, uniques = [], []
-    for line in result["stdout"].splitlines():
-        if "FIRST_COLLECTIVE" in line:
-            fields = line.split()
-            firsts.append(float(fields[fields.index("FIRST_COLLECTIVE") + 1]))
-            uniques.append(int(fields[fields.index("UNIQUE_KB") + 1]) / 1024)
-    assert len(firsts) == nodes * 8, result["stdout"][-2000:]
-    return {"startup_s": round(max(firsts) - result["start"], 2), "wall_s": round(result["wall_s"], 1),
-            "peak_gib": round(result["peak_gib"], 2), "unique_mb_median": round(statistics.median(uniques), 1),
-            "unique_mb_max": round(max(uniques), 1)}
+    jobs = []
+    for _ in range(STARTUP_JOBS):
+        result = mirage([*flags, "--num-nodes", str(nodes), "--nproc-per-node", "8", "--gpus-per-node", "8", "--",
+                         "python", str(probe)])
+        refused = refusal(result)
+        if refused:
+            return refused
+        checked(result, f"{nodes * 8}-rank start-up")
+        firsts, uniques = [], []
+        for line in result["stdout"].splitlines():
+            if "FIRST_COLLECTIVE" in line:
+                fields = line.split()
+                firsts.append(float(fields[fields.index("FIRST_COLLECTIVE") + 1]))
+                uniques.append(int(fields[fields.index("UNIQUE_KB") + 1]) / 1024)
+        assert len(firsts) == nodes * 8, result["stdout"][-2000:]
+        jobs.append({"startup_s": round(max(firsts) - result["start"], 2), "wall_s": round(result["wall_s"], 1),
+                     "peak_gib": round(result["peak_gib"], 2),
+                     "unique_mb_median": round(statistics.median(uniques), 1), "unique_mb_max": round(max(uniques), 1)})
+    jobs.sort(key=lambda job: job["startup_s"])
+    return {**jobs[len(jobs) // 2], "startup_s_each": [job["startup_s"] for job in jobs]}
 
 
-def busbw_case(probe: Path, server: bool) -> float:
-    """The median of three jobs (one job's figure moves with the machine's other load)."""
-    flags = [] if server else ["--no-fork-server"]
-    figures = []
-    for _ in range(3):
-        result = checked(mirage([*flags, "--nproc-per-node", "8", "--gpus-per-node", "8", "--env", "BUSBW_MB=64",
-                                 "--", "python", str(probe)]), "8-rank bandwidth")
-        figures.append(next(float(line.split()[-1]) for line in result["stdout"].splitlines() if "BUSBW_GBS" in line))
-    return statistics.median(figures)
+def busbw_jobs(probe: Path) -> dict:
+    """BUSBW_JOBS 8-rank jobs a side, the sides taking turns: each side's median and range."""
+    figures: dict[str, list[float]] = {"fork_server": [], "no_fork_server": []}
+    for _ in range(BUSBW_JOBS):
+        for side, flags in (("fork_server", []), ("no_fork_server", ["--no-fork-server"])):
+            result = checked(mirage([*flags, "--nproc-per-node", "8", "--gpus-per-node", "8", "--env", "BUSBW_MB=64",
+                                     "--", "python", str(probe)]), "8-rank bandwidth")
+            figures[side].append(next(float(line.split()[-1]) for line in result["stdout"].splitlines()
+                                      if "BUSBW_GBS" in line))
+    return {side: {"median_gbs": statistics.median(values), "min_gbs": min(values), "max_gbs": max(values)}
+            for side, values in figures.items()}
 
 
 def big_case(server: bool, workload: str) -> dict:
@@ -200,12 +213,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         probe = Path(folder) / "probe.py"
         probe.write_text(PROBE)
+        bandwidth = measured("8-rank busbw", busbw_jobs, probe)
         for server in (True, False):
             name = "fork_server" if server else "no_fork_server"
             figures[name] = {
                 "32_ranks": measured(f"{name} 32 ranks", startup_case, probe, server, 4),
                 "64_ranks": measured(f"{name} 64 ranks", startup_case, probe, server, 8),
-                "8_rank_busbw_gbs": measured(f"{name} 8-rank busbw", busbw_case, probe, server),
+                "8_rank_busbw": bandwidth.get(name, bandwidth),
             }
             if not args.skip_256:
                 for workload in ("dist_smoke", "ddp"):
