@@ -16,7 +16,7 @@ in the same job on the same sizes, no all_reduce can beat algbw = B, i.e. busbw 
 caches (64 MB and up), where B is the DRAM rate; for small sizes both sides run from cache.
 
     python bench/collectives_busbw.py [--collectives all_reduce ...] [--ranks 2 4 8] [--iters 5]
-        [--env NCCL_SHM_DISABLE=1 ...] [--num-nodes M]
+        [--env NCCL_SHM_DISABLE=1 ...] [--num-nodes M] [--mirage-flag=--lazy-device-memory ...]
 
 runs `mirage run --nproc-per-node R` for each R and prints a table (and a JSON line). With
 --num-nodes M, R ranks on each of M isolated emulated nodes: the bytes between nodes cross the
@@ -129,12 +129,14 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for the job (e.g. NCCL_SHM_DISABLE=1)")
     parser.add_argument("--num-nodes", type=int, default=1, help="isolated emulated nodes, R ranks each")
+    parser.add_argument("--mirage-flag", action="append", default=[],
+                        help="a `mirage run` flag for the job (e.g. --mirage-flag=--lazy-device-memory)")
     args = parser.parse_args()
     rows = []
     for ranks in args.ranks:
         result = subprocess.run(
             [sys.executable, "-m", "mirage", "run", "--num-nodes", str(args.num_nodes), "--nproc-per-node", str(ranks),
-             "--gpus-per-node", str(ranks),
+             "--gpus-per-node", str(ranks), *args.mirage_flag,
              *[f"--env={pair}" for pair in args.env], "--", sys.executable, __file__, "--iters", str(args.iters), "--collectives", *args.collectives],
             capture_output=True, text=True, env=dict(os.environ, MIRAGE_BENCH_WORKER="1"),
         )

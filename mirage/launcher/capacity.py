@@ -15,8 +15,9 @@ from pathlib import Path
 MIB = 1 << 20
 # A rank's unique memory (smaps_rollup Private_Dirty + Private_Clean) once it has run a
 # collective, measured by bench/scale.py (docs/benchmarks.md), with a margin: started on its own
-# (about 145 MB measured), and forked from the fork server (24 MB measured, a DDP rank 30 MB;
-# the server adds one process of its own, about as large as a rank on its own).
+# (about 145 MB measured), and forked from the fork server (10 MB measured at the first
+# collective, a DDP rank after a few steps 30 MB; the server and its twins add one process
+# about as large as a rank on its own).
 PROCESS_BYTES_ON_ITS_OWN = 150 * MIB
 PROCESS_BYTES_FORKED = 32 * MIB
 TORCHRUN_COMMANDS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
