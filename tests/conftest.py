@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(config, items):
     """Slow scale tests run only with MIRAGE_SLOW_TESTS=1, so CI can keep a bounded set."""
     if os.environ.get("MIRAGE_SLOW_TESTS") == "1":
         return
-    skip = pytest.mark.skip(reason="slow scale test: set MIRAGE_SLOW_TESTS=1 to run it")
+    skip = pytest.mark.skip(reason="slow test: set MIRAGE_SLOW_TESTS=1 to run it")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
