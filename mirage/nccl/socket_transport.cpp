@@ -265,6 +265,7 @@ class SocketCommunicator final : public Communicator {
     std::vector<pollfd> waits;
     while (done < transfers.size()) {
       bool moved = false;
+      bool connecting = false;
       busy.assign(static_cast<size_t>(2 * size_), 0);
       waits.clear();
       for (size_t i = 0; i < transfers.size(); ++i) {
@@ -276,6 +277,7 @@ class SocketCommunicator final : public Communicator {
         const int fd = socket_of(t.peer, channel, t.send);
         if (fd < 0) {  // a higher rank not yet connected: its connection arrives on the listener
           waits.push_back(pollfd{listener_, POLLIN, 0});
+          connecting = true;
           continue;
         }
         bool would_block = false;
@@ -322,9 +324,11 @@ class SocketCommunicator final : public Communicator {
           }
         }
       }
-      // New work (poll_more) wakes the wait through interrupt_; at most 200 ms in any case.
+      // New work (poll_more) wakes the wait through interrupt_; at most 200 ms in any case, and
+      // 10 ms while a connection is awaited (the other thread of this process, point-to-point
+      // or collectives, may take it from the listener this one polls).
       if (poll_more && interrupt_ >= 0) waits.push_back(pollfd{interrupt_, POLLIN, 0});
-      const auto wait = std::min<Clock::duration>(deadline - now, std::chrono::milliseconds(200));
+      const auto wait = std::min<Clock::duration>(deadline - now, std::chrono::milliseconds(connecting ? 10 : 200));
       ::poll(waits.data(), waits.size(), static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(wait).count()) + 1);
       uint64_t interruptions;
       if (poll_more && interrupt_ >= 0) (void)!::read(interrupt_, &interruptions, sizeof(interruptions));
