@@ -8,8 +8,9 @@ small machine. A fork server imports torch and mirage's runtime once, freezes th
 from it: the children share the pages until they write to them.
 
     mirage run (launcher)                 fork server (server.py, one per session)
-      |  binds the socket, starts ------>   loads the shim, imports torch, gc.freeze()
-      v                                       ^  accept, fork per request
+      |  binds the socket, starts ------>   loads the shim, imports torch, gc.freeze(),
+      v                                       ^  makes twins; accepts every waiting request,
+                                              |  forks them in rank order (twins take turns)
     python train.py ... (any Python process   |
       of the session)                         |  argv, env, cwd, rlimits, umask, every fd
       sitecustomize -> client.hand_off() -----+  (SCM_RIGHTS), stdio settings

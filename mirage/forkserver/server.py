@@ -33,7 +33,6 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -86,10 +85,9 @@ def server_environment(process_env: dict[str, str]) -> dict[str, str]:
     return {key: value for key, value in process_env.items() if key not in PROCESS_IDENTITY}
 
 
-def start(process_env: dict[str, str], socket_path: Path, argv_prefix: Sequence[str] = ()) -> ForkServer:
-    """Starts a fork server for processes whose environment is like `process_env` (that of a
-    session or one emulated node), listening on `socket_path`. `argv_prefix` runs it inside
-    something (e.g. `nsenter ...` for a node's namespaces).
+def start(process_env: dict[str, str], socket_path: Path) -> ForkServer:
+    """Starts the session's fork server for processes whose environment is like `process_env`,
+    listening on `socket_path`; it runs in the host's namespaces (a child joins its waiter's node).
 
     The socket is bound and listening before this returns, so a process started right after
     connects and sends its request at once, and waits for the answer while torch is imported
@@ -99,7 +97,7 @@ def start(process_env: dict[str, str], socket_path: Path, argv_prefix: Sequence[
         listener.bind(str(socket_path))
         listener.listen(4096)
         process = subprocess.Popen(
-            [*argv_prefix, sys.executable, "-m", "mirage.forkserver.server", str(listener.fileno()),
+            [sys.executable, "-m", "mirage.forkserver.server", str(listener.fileno()),
              " " * COMMAND_LINE_ROOM],
             env=server_environment(process_env), pass_fds=(listener.fileno(),), stdin=subprocess.DEVNULL,
             process_group=0)
@@ -346,8 +344,8 @@ def serve(listener: socket.socket) -> Handoff:
                         pass
         requests.sort(key=_start_order)
         for position, (connection, request, fds) in enumerate(requests):
-            if position % (len(twins) + 1) and _dispatch(twins[position % (len(twins) + 1) - 1], connection, request,
-                                                         fds):
+            turn = position % (len(twins) + 1)  # 0: this server's, k: twin k's
+            if turn and _dispatch(twins[turn - 1], connection, request, fds):
                 continue
             try:
                 pid = os.fork()
