@@ -135,7 +135,8 @@ def main() -> None:
     rows = []
     for ranks in args.ranks:
         result = subprocess.run(
-            [sys.executable, "-m", "mirage", "run", "--num-nodes", str(args.num_nodes), "--nproc-per-node", str(ranks),
+            [sys.executable, "-m", "mirage", "run", *(["--isolate-nodes"] if args.num_nodes > 1 else []),
+             "--num-nodes", str(args.num_nodes), "--nproc-per-node", str(ranks),
              "--gpus-per-node", str(ranks), *args.mirage_flag,
              *[f"--env={pair}" for pair in args.env], "--", sys.executable, __file__, "--iters", str(args.iters), "--collectives", *args.collectives],
             capture_output=True, text=True, env=dict(os.environ, MIRAGE_BENCH_WORKER="1"),

@@ -147,7 +147,8 @@ def startup_case(probe: Path, server: bool, nodes: int) -> dict:
     flags = [] if server else ["--no-fork-server"]
     jobs = []
     for _ in range(STARTUP_JOBS):
-        result = mirage([*flags, "--num-nodes", str(nodes), "--nproc-per-node", "8", "--gpus-per-node", "8", "--",
+        result = mirage([*flags, "--isolate-nodes", "--num-nodes", str(nodes), "--nproc-per-node", "8",
+                         "--gpus-per-node", "8", "--",
                          "python", str(probe)])
         refused = refusal(result)
         if refused:
@@ -184,7 +185,7 @@ def big_case(server: bool, workload: str) -> dict:
     flags = [] if server else ["--no-fork-server"]
     command = (["python", "tests/fixtures/ml/dist_smoke.py"] if workload == "dist_smoke"
                else ["python", "tests/fixtures/ml/ddp_mlp.py"])
-    result = mirage([*flags, "--num-nodes", "32", "--nproc-per-node", "8", "--gpus-per-node", "8",
+    result = mirage([*flags, "--isolate-nodes", "--num-nodes", "32", "--nproc-per-node", "8", "--gpus-per-node", "8",
                      "--env", "STEPS=5", "--", *command])
     refused = refusal(result)
     if refused:

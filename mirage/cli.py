@@ -13,6 +13,7 @@ Usage:
     mirage exec [--session ID] [--node N] -- CMD ARGS...
     mirage cleanup [--dry-run]                 reclaim what SIGKILLed runs left
     mirage paths [--json]
+    mirage --version                           mirage, torch and the device shim's build key
     mirage profiles [--json]
     mirage profiles show NAME|PATH [--json] [--timing [--timing-tuning FILE]]
 
@@ -29,11 +30,14 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.metadata
 import json
 import sys
 from dataclasses import asdict
 
+import mirage
 from mirage import launcher, profiles
+from mirage.shim import build as shim_build
 from mirage.launcher import cluster, nodes, sessions
 
 
@@ -66,6 +70,8 @@ class _Parser(argparse.ArgumentParser):
 def _build_parser() -> _Parser:
     parser = _Parser(prog="mirage", description=__doc__, allow_abbrev=False,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="store_true",
+                        help="print mirage's version, the torch it runs on and the device shim's build key")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     run = commands.add_parser("run", help="run a command on emulated GPUs", allow_abbrev=False)
@@ -80,9 +86,11 @@ def _build_parser() -> _Parser:
     isolation = run.add_mutually_exclusive_group()
     isolation.add_argument("--isolate-nodes", dest="isolate_nodes", action="store_true", default=None,
                            help="each emulated node in namespaces of its own: hostname, network (eth0 on a "
-                                "session bridge), /dev/shm, IPC (the default for several nodes, where possible)")
+                                "session bridge), /dev/shm, IPC (root, iproute2, util-linux; by default the "
+                                "nodes are process groups sharing this host, as the reference tool's are)")
     isolation.add_argument("--no-isolate-nodes", dest="isolate_nodes", action="store_false",
-                           help="every emulated node shares this host's hostname, network and /dev/shm")
+                           help="the default, kept for scripts: every emulated node shares this host's hostname, "
+                                "network and /dev/shm")
     run.add_argument("--node-hostname", default=nodes.HOSTNAME_PATTERN, metavar="PATTERN",
                      help="isolated nodes' hostnames, {node} the node's index (default node{node})")
     run.add_argument("--image", metavar="NAME",
@@ -183,6 +191,22 @@ def _print_profiles(as_json: bool) -> int:
     return 0
 
 
+def _print_version() -> int:
+    """`mirage --version`: the lines a bug report needs (the same figures are in --summary-json)."""
+    try:
+        identity = shim_build.build_identity()
+    except importlib.metadata.PackageNotFoundError:
+        print(f"mirage {mirage.__version__}\ntorch not installed for {sys.executable} "
+              "(Fix: pip install torch==2.13.0)")
+        return 1
+    print(f"mirage {identity['mirage']}\n"
+          f"torch {identity['torch']} ({identity['torch_path']}), Python {identity['python']}\n"
+          f"device shim build key {identity['shim_build_key']}"
+          f"{'' if identity['shim_built'] else ' (not built yet: the first mirage run builds it)'}\n"
+          f"emulated NCCL build key {identity['nccl_build_key']}")
+    return 0
+
+
 def _report_error(message: str, as_json: bool) -> int:
     """A mirage-level error on stderr (`{"error": ...}` for --json callers); exit code 1."""
     print(json.dumps({"error": message}) if as_json else f"mirage: {message}", file=sys.stderr)
@@ -278,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(["exec", *flags])
         return _session_command(lambda: sessions.exec_in_session(args.session, args.node, command), False)
     args = parser.parse_args(argv)
+    if args.version:
+        return _print_version()
     if args.command == "ps":
         found = sessions.live_sessions()
         print(json.dumps(found, indent=2) if args.json else sessions.ps_table(found))

@@ -1,5 +1,7 @@
 """`mirage run`: usage errors, exit codes, environment layering, signals, no leftovers."""
 
+import importlib.metadata
+import json
 import os
 import signal
 import subprocess
@@ -22,12 +24,37 @@ from conftest import REPO, mirage
     (["--env", "NOEQUALS", "--", "python"], "is not KEY=VALUE"),
     (["--hang-timeout", "-5", "--", "python"], "--hang-timeout -5 must be a positive number of seconds"),
     (["--hang-timeout", "0", "--", "python"], "--hang-timeout 0 must be a positive number of seconds"),
+    (["--num-nodes", "2", "--node-hostname", "gpu-{node}", "--", "hostname"], "Fix: add --isolate-nodes"),
 ])
 def test_usage_errors_exit_2_with_one_clear_line(args, message):
     result = mirage("run", *args)
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_version_names_mirage_torch_and_the_shim_build_and_the_summary_carries_them(tmp_path):
+    """What a bug report needs, as `mirage --version` prints it and --summary-json records it:
+    the build key is the one the session's shim was loaded from (its cache folder)."""
+    import torch
+    from mirage.shim import build
+
+    version = mirage("--version")
+    assert version.returncode == 0, version.stderr
+    lines = version.stdout.splitlines()
+    assert lines[0] == f"mirage {importlib.metadata.version('mirage')}"
+    assert lines[1].startswith(f"torch {torch.__version__} (")
+    key = build.library_path().parent.name.removeprefix("shim-")
+    assert lines[2].startswith(f"device shim build key {key}")
+    summary = tmp_path / "summary.json"
+    result = mirage("run", "--quiet", "--summary-json", str(summary), "--", "python", "-c",
+                    "import os, torch; torch.ones(1, device='cuda'); "
+                    "print([m.split()[-1] for m in open('/proc/self/maps') if 'mirage_shim' in m][0])")
+    assert result.returncode == 0, result.stderr
+    recorded = json.loads(summary.read_text())["build"]
+    assert recorded["torch"] == torch.__version__ and recorded["shim_build_key"] == key and recorded["shim_built"]
+    assert f"shim-{key}" in result.stdout  # the library the workload loaded is the one named
+    assert "(not built yet" not in mirage("--version").stdout
 
 
 def test_exit_code_is_the_workloads():

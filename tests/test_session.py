@@ -95,7 +95,9 @@ def test_smi_ps_and_exec_on_a_live_session():
               "rank = int(os.environ['RANK']); torch.cuda.set_device(rank)\n"
               "dist.init_process_group('nccl')\nx = torch.ones(2**20, device='cuda')\ndist.all_reduce(x)\n"
               "print('ready', flush=True)\ntime.sleep(20)\n")
-    proc = start("--num-nodes", "2", "--nproc-per-node", "1", "--gpus-per-node", "2", "--", "python", "-c", script)
+    isolated = nodes.unavailable_reason() is None  # then exec must enter node 1's namespaces
+    proc = start(*(["--isolate-nodes"] if isolated else []), "--num-nodes", "2", "--nproc-per-node", "1",
+                 "--gpus-per-node", "2", "--", "python", "-c", script)
     try:
         session = session_of(proc)
         assert proc.stdout.readline().endswith("ready\n") and proc.stdout.readline().endswith("ready\n")
@@ -114,8 +116,8 @@ def test_smi_ps_and_exec_on_a_live_session():
                       "import os, socket, torch; free, total = torch.cuda.mem_get_info(1); "
                       "print(os.environ['MIRAGE_NODE_RANK'], (total - free) // 2**20, socket.gethostname())")
         # the rank's context and segment, and the context the querying process itself now has
-        # there; inside node 1's namespaces (nodes are isolated where the machine allows)
-        hostname = "node1" if nodes.unavailable_reason() is None else os.uname().nodename
+        # there; inside node 1's namespaces when the nodes are isolated
+        hostname = "node1" if isolated else os.uname().nodename
         assert seen.stdout.split() == ["1", str((2 * context + 20 * 2**20) // 2**20), hostname], seen.stderr
     finally:
         proc.kill()

@@ -77,7 +77,9 @@ class RunRequest:
     faults: list[str] = field(default_factory=list)  # --fault specs (mirage/launcher/faults.py)
     faults_file: str | None = None       # --faults FILE
     seed: int | None = None              # draws the counts of faults at 'random'
-    isolate_nodes: bool | None = None    # namespaces per node (launcher/nodes.py); None: where possible
+    # Namespaces per node (launcher/nodes.py), only when asked for; None is the default (the nodes
+    # share this host), False an explicit --no-isolate-nodes (which --image refuses).
+    isolate_nodes: bool | None = None
     node_hostname: str = nodes.HOSTNAME_PATTERN
     image: str | None = None             # each node's processes in podman containers (launcher/containers.py)
     fork_server: bool = True             # Python processes forked from one that imported torch
@@ -158,6 +160,9 @@ def validate(request: RunRequest) -> tuple[profiles.Profile, int]:
         raise UsageError(str(err)) from None
     if request.image is not None:
         _validate_image(request)
+    if request.node_hostname != nodes.HOSTNAME_PATTERN and not (request.isolate_nodes or request.image is not None):
+        raise UsageError("--node-hostname names isolated nodes; without --isolate-nodes every node has this host's "
+                         "hostname. Fix: add --isolate-nodes")
     if request.isolate_nodes and (reason := nodes.unavailable_reason()):
         raise UsageError(f"--isolate-nodes: {reason}. Fix: run mirage as root with util-linux and iproute2, "
                          "or drop --isolate-nodes (the nodes then share this host's network)")
@@ -320,29 +325,23 @@ def _finish_timing(request: RunRequest, profile: profiles.Profile, directory: Pa
 
 
 def _isolate(request: RunRequest, session_id: str, session_dir: Path) -> nodes.NodeNamespaces | None:
-    """Puts each emulated node in namespaces of its own (launcher/nodes.py) when asked, or by
-    default for several nodes; where the machine cannot, an explicit --isolate-nodes is an error
-    and the default says once why the nodes share this host."""
-    explicit = request.isolate_nodes or request.image is not None
-    wanted = explicit or (request.isolate_nodes is None and request.num_nodes > 1)
-    if not wanted:
+    """Puts each emulated node in namespaces of its own (launcher/nodes.py) when asked for with
+    --isolate-nodes or --image. By default emulated nodes are what the reference tool's nodes are:
+    groups of processes on this host, sharing its network, so one command gives one result
+    whoever runs it (isolation needs root). validate() has refused a request this machine cannot
+    meet; what is left is the kernel refusing, which is reported, never dropped silently."""
+    if not (request.isolate_nodes or request.image is not None):
         return None
-    reason = nodes.unavailable_reason()
-    if reason is None:
-        namespaces = nodes.NodeNamespaces(session_id, nodes.hostnames(request.node_hostname, request.num_nodes))
-        if request.image is not None:  # a container cannot join the node's mount namespace: host folders
-            namespaces.shm_dirs = [containers.node_shm_dir(session_id, node) for node in range(request.num_nodes)]
-        try:
-            namespaces.start(session_dir)
-            return namespaces
-        except nodes.IsolationError as err:
-            reason = f"the kernel refused: {err}"
-    if explicit:
-        raise LaunchError(f"{'--image' if request.image is not None else '--isolate-nodes'}: {reason}. Fix: run where namespaces can be created (root, or a "
-                          "container started with --privileged), or drop --isolate-nodes")
-    narrate(f"the {request.num_nodes} emulated nodes share this host's hostname, network and /dev/shm ({reason}); "
-            "--no-isolate-nodes asks for that without this note")
-    return None
+    namespaces = nodes.NodeNamespaces(session_id, nodes.hostnames(request.node_hostname, request.num_nodes))
+    if request.image is not None:  # a container cannot join the node's mount namespace: host folders
+        namespaces.shm_dirs = [containers.node_shm_dir(session_id, node) for node in range(request.num_nodes)]
+    try:
+        namespaces.start(session_dir)
+    except nodes.IsolationError as err:
+        flag = "--image" if request.image is not None else "--isolate-nodes"
+        raise UsageError(f"{flag}: the kernel refused: {err}. Fix: run where namespaces can be created (root, or "
+                         "a container started with --privileged), or drop {flag}") from None
+    return namespaces
 
 
 def run_node(request: RunRequest, rdzv_port: int | None, rdzv_timeout: float) -> int:

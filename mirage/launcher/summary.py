@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 
 from mirage.daemon.service import SessionService
+from mirage.shim import build as shim_build
 
 
 def build(service: SessionService, exit_codes: dict[str, int], exit_code: int) -> dict:
     counts = service.recorder.counts
     return {
         "session": service.session_id,
+        "build": shim_build.build_identity(),  # what `mirage --version` prints, for bug reports
         "exit_code": exit_code,
         "gpus": [{"node": n, "gpu": g, "peak_bytes": peak} for (n, g), peak in sorted(service.peaks.items())],
         "processes": [{"rank": label, "exit_code": code} for label, code in sorted(exit_codes.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0)],

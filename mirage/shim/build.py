@@ -63,6 +63,24 @@ def nccl_module_path() -> Path:
     return cache_root() / f"nccl-{_key(NCCL_SOURCES + NCCL_HEADERS)}" / f"{NCCL_MODULE_NAME}.so"
 
 
+def build_identity() -> dict[str, str | bool]:
+    """What a bug report needs to name this installation: mirage's version, the torch it runs on
+    (version and where it is installed) and the native parts' build keys (the cache folders'
+    names), with whether they are built yet. Reads metadata only: no torch import, no build."""
+    import mirage
+
+    torch = importlib.metadata.distribution("torch")
+    return {
+        "mirage": mirage.__version__,
+        "torch": torch.version,
+        "torch_path": str(Path(torch.locate_file("torch")).resolve()),
+        "python": sys.version.split()[0],
+        "shim_build_key": library_path().parent.name.removeprefix("shim-"),
+        "shim_built": library_path().exists(),
+        "nccl_build_key": nccl_module_path().parent.name.removeprefix("nccl-"),
+    }
+
+
 def build() -> Path:
     """Compiles the shim and the NCCL extension if not cached yet; returns the shim's path."""
     target = library_path()
