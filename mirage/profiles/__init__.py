@@ -42,6 +42,9 @@ class Profile:
     # Device memory a process's GPU context takes besides PyTorch's allocator (driver, kernels,
     # library workspaces): counted as the process's non-PyTorch memory from its first allocation.
     context_bytes: int
+    # The memory interface's width (bits): with memory_bandwidth_gbs it gives the memory clock
+    # Triton's driver reports (runtime/triton_driver.py); 0 where a user's profile leaves it out.
+    memory_bus_width_bits: int = 0
     peak_tflops: dict[str, float] = field(default_factory=dict)
     # Clocked mode's model: [timing] key -> {value, kind, source}, and [timing.inputs]: where the
     # profile's own figures the model reads come from (see TIMING_KEYS, timing_model).
@@ -83,10 +86,11 @@ _FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "gpus_per_node": ((int,), "an integer from 1 to 64"),
     "board_power_watts": ((int, float), "a positive number"),
     "context_bytes": ((int,), "an integer >= 0"),
+    "memory_bus_width_bits": ((int,), "a positive integer (the memory interface's width in bits)"),
     "peak_tflops": ((dict,), "a table of dtype = TFLOP/s"),
     "timing": ((dict,), "a table of clocked mode's numbers (see mirage/profiles/data/h100.toml)"),
 }
-_OPTIONAL = {"timing"}
+_OPTIONAL = {"timing", "memory_bus_width_bits"}
 
 # Clocked mode's own numbers, each a [timing] entry {value, kind, source}.
 TIMING_KEYS: dict[str, str] = {
@@ -144,6 +148,8 @@ def _check(path: Path, data: dict) -> Profile:
         raise bad("clock_ghz")
     if data["context_bytes"] < 0:
         raise bad("context_bytes")
+    if data.get("memory_bus_width_bits", 1) <= 0:
+        raise bad("memory_bus_width_bits")
     if not 1 <= data["gpus_per_node"] <= 64:
         raise bad("gpus_per_node")
     peaks = data["peak_tflops"]

@@ -29,16 +29,13 @@ usual cache directory) stays on.
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
 import itertools
 import logging
-import sys
 import threading
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
-from mirage.runtime import timing
+from mirage.runtime import import_hooks, timing
 
 _COMPILE_FX = "torch._inductor.compile_fx"
 # collectives run on the device: the group's backend for the device is the emulated NCCL
@@ -465,30 +462,6 @@ def _patch(compile_fx_module: ModuleType, torch: ModuleType) -> None:
     torch._functorch.config.enable_autograd_cache = False
 
 
-class _CompileFxImportHook(importlib.abc.MetaPathFinder):
-    """Patches torch._inductor.compile_fx when something first imports it (inductor is heavy:
-    processes that never compile never load it)."""
-
-    def __init__(self, torch: ModuleType):
-        self.torch = torch
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != _COMPILE_FX:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return spec
-        run_module = spec.loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            run_module(module)
-            _patch(module, self.torch)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 def _no_triton_warning(record: logging.LogRecord) -> bool:
     """A GPU build of torch installs Triton, so it never logs torch.utils.flop_counter's "triton not
     found" (which a CPU build reaches because the emulation sets torch.version.hip / .cuda)."""
@@ -498,7 +471,4 @@ def _no_triton_warning(record: logging.LogRecord) -> bool:
 def install(torch: ModuleType) -> None:
     """Arms the compile_fx patch (or applies it, if inductor is already loaded)."""
     logging.getLogger("torch.utils.flop_counter").addFilter(_no_triton_warning)
-    if _COMPILE_FX in sys.modules:
-        _patch(sys.modules[_COMPILE_FX], torch)
-    else:
-        sys.meta_path.insert(0, _CompileFxImportHook(torch))
+    import_hooks.after_import(_COMPILE_FX, lambda module: _patch(module, torch))

@@ -13,8 +13,9 @@ import os
 from types import ModuleType
 
 from mirage import profiles
-from mirage.runtime import (autograd_threads, cuda_comm, cuda_graphs, cuda_ipc, cuda_memory, cuda_runtime, cudnn, inductor,
-                            device_queries, distributed, legacy_tensor_types, nvtx, visible_devices, timing)
+from mirage.runtime import (autograd_threads, cuda_comm, cuda_graphs, cuda_ipc, cuda_memory, cuda_runtime, cudnn,
+                            device_queries, distributed, import_hooks, inductor, legacy_tensor_types, nvtx, timing,
+                            triton_driver, visible_devices)
 
 # What a ROCm / CUDA build of torch 2.13 reports as its toolkit version.
 _HIP_VERSION = "7.0.51831-a3e329ad8"
@@ -292,4 +293,5 @@ def install(torch: ModuleType) -> None:
     legacy_tensor_types.install(torch)
     distributed.install(torch)
     inductor.install(torch)
+    import_hooks.after_import("triton.runtime.driver", lambda module: triton_driver.install(torch, profile, module))
     timing.install(torch)
