@@ -6,7 +6,6 @@
 #include "generators.h"
 #include "pinned_memory.h"
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/csrc/distributed/c10d/reducer_timer.hpp>
 
@@ -36,9 +35,7 @@ struct MirageHooks final : at::CUDAHooksInterface {
   const at::Generator& getDefaultGenerator(DeviceIndex d) const override {
     return default_generator(d < 0 ? tl_device : d);
   }
-  at::Generator getNewGenerator(DeviceIndex) const override {
-    return at::make_generator<at::CPUGeneratorImpl>(c10::default_rng_seed_val);
-  }
+  at::Generator getNewGenerator(DeviceIndex d) const override { return new_generator(d < 0 ? tl_device : d); }
   bool isPinnedPtr(const void* data) const override { return g_pinned.is_pinned(data); }
   c10::Allocator* getPinnedMemoryAllocator() const override { return &g_pinned; }
   c10::Allocator* getCUDADeviceAllocator() const override { return current_device_allocator(); }

@@ -203,9 +203,11 @@ struct OpCall {
       }
     }
     if (device < 0) device = tl_device;
-    for (uint32_t i : traits.generator_args) {
+    for (uint32_t i : traits.generator_args) {  // the CPU kernel takes a CPU generator
       c10::IValue& iv = (*stack)[base + i];
-      if (iv.isNone()) iv = c10::IValue(default_generator(device));
+      const std::optional<at::Generator> given =
+          iv.isNone() ? std::nullopt : std::optional<at::Generator>(iv.toGenerator());
+      iv = c10::IValue(host_generator_for(generator_for(given, device)));
     }
   }
 
