@@ -134,19 +134,29 @@ def _move_graph_to_host(gm: Any, device_ops: _DeviceOps, torch: ModuleType) -> N
     def to_host(value: Any) -> Any:
         return torch.device("cpu") if _is_device(value, torch) else value
 
+    graphsafe_rng = torch._prims.rng_prims.graphsafe_run_with_rng_state
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         node.args = tree_map(to_host, node.args)
         node.kwargs = tree_map(to_host, node.kwargs)
         target = node.target
+        if target is graphsafe_rng and not _has_host_kernel(node.args[0], torch):
+            # A random op whose recomputation (activation checkpointing) replays the device
+            # generator's state: the op itself runs on host views, as a node of its own would.
+            node.args = (device_ops.twin(node.args[0], _node_device(node, torch)), *node.args[1:])
+            continue
         if isinstance(target, torch._ops.OpOverload) and (target.namespace in _COLLECTIVE_NAMESPACES
                                                           or not _has_host_kernel(target, torch)):
-            value = node.meta.get("val")
-            values = value if isinstance(value, (list, tuple)) else [value]
-            devices = [v.device.index for v in values if isinstance(v, torch.Tensor) and v.device.type == "cuda"]
-            node.target = device_ops.twin(target, devices[0] if devices else 0)
+            node.target = device_ops.twin(target, _node_device(node, torch))
     gm.recompile()
+
+
+def _node_device(node: Any, torch: ModuleType) -> int:
+    """The emulated device a graph node's results are on (0 when none is)."""
+    value = node.meta.get("val")
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return next((v.device.index for v in values if isinstance(v, torch.Tensor) and v.device.type == "cuda"), 0)
 
 
 def _first_device(example_inputs: Sequence[Any], torch: ModuleType) -> int | None:
@@ -441,6 +451,21 @@ def _host_compile(inner_compile: Callable, device_ops: _DeviceOps, captured_call
     return compile_for_host
 
 
+def _graphsafe_rng_on_host_views(torch: ModuleType) -> None:
+    """AOTAutograd replays a random op's generator state around its recomputation with
+    graphsafe_run_with_rng_state, which checks the op's tensors are on a device with graph-safe
+    generators. Inside a host graph they are host views of device tensors, whose generator
+    (rng_state: a device generator) is CUDA's; CPU tensors elsewhere keep torch's answer."""
+    import torch._functorch._aot_autograd.utils as aot_utils
+
+    supported = aot_utils.supports_graphsafe_rng
+
+    def supports_graphsafe_rng(device: Any) -> bool:
+        return supported(device) or (device.type == "cpu" and getattr(_running, "device", None) is not None)
+
+    aot_utils.supports_graphsafe_rng = supports_graphsafe_rng
+
+
 def _patch(compile_fx_module: ModuleType, torch: ModuleType) -> None:
     original = compile_fx_module.compile_fx
     default_inner = compile_fx_module.compile_fx_inner
@@ -448,6 +473,7 @@ def _patch(compile_fx_module: ModuleType, torch: ModuleType) -> None:
     # of a fork server's session runs this (inductor is preloaded there), and registering them
     # writes to the dispatcher's tables, pages a forked child would copy.
     helpers: list[tuple[_DeviceOps, _CapturedCalls]] = []
+    _graphsafe_rng_on_host_views(torch)
 
     @functools.wraps(original)
     def compile_fx(model: Any, example_inputs: Any, inner_compile: Callable = default_inner, **kwargs: Any) -> Any:

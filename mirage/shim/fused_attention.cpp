@@ -84,6 +84,23 @@ int64_t choose_backend(const Tensor& q, const Tensor& k, const Tensor& v, const 
 // An empty tensor with `like`'s options: what CUDA returns for outputs it does not compute.
 Tensor no_values_like(const Tensor& like) { return at::empty({0}, like.options()); }
 
+// Whether the emulated device presents a ROCm build (its kernels' outputs differ in shape).
+static bool rocm_profile() {
+  static const bool rocm = [] {
+    const char* vendor = std::getenv("MIRAGE_VENDOR");
+    return !vendor || std::strcmp(vendor, "nvidia") != 0;
+  }();
+  return rocm;
+}
+
+// The attention output in the layout torch's meta kernel gives it (the query's strides), which
+// compiled graphs assert; the CPU kernel writes its own layout.
+static Tensor in_query_layout(const Tensor& out, const Tensor& query) {
+  Tensor shaped = at::empty_like(query);
+  if (shaped.strides() == out.strides()) return out;
+  return predict_only() ? shaped : shaped.copy_(out);
+}
+
 // (B, H, L, E) query; the CPU kernel's logsumexp is (B, H, L) in float, as CUDA's flash returns it.
 std::tuple<Tensor, Tensor, Tensor, Tensor, c10::SymInt, c10::SymInt, Tensor, Tensor, Tensor> flash_attention(
     const Tensor& query, const Tensor& key, const Tensor& value, double dropout_p, bool is_causal,
@@ -93,13 +110,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, c10::SymInt, c10::SymInt, Tensor, Ten
   auto [out, logsumexp] = predict_only() ? predicted_attention(query, value)
                                          : at::_scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0,
                                                                                            is_causal, {}, scale);
-  const Tensor rng = at::empty({2}, query.options().dtype(at::kLong));
-  rng.zero_();
+  // The philox seed and offset as torch's meta kernel has them: CUDA's rng state (2 x uint64)
+  // and offset (a uint64 scalar), ROCm's two int64 scalars. DTensor's context parallelism
+  // wraps them as scalars.
+  const bool rocm = rocm_profile();
+  const Tensor seed = at::zeros(rocm ? c10::IntArrayRef{} : c10::IntArrayRef{2},
+                                query.options().dtype(rocm ? at::kLong : at::kUInt64));
+  const Tensor offset = at::zeros({}, seed.options());
   if (timing() && kernel.outermost) {
     clock_fused_kernel("aten::_scaled_dot_product_flash_attention", {query, key, value}, {out, logsumexp}, is_causal);
   }
-  return {out, logsumexp.to(at::kFloat), Tensor(), Tensor(), query.sym_size(2), key.sym_size(2), rng,
-          no_values_like(rng), no_values_like(query)};
+  // logsumexp (B, H, L) float and contiguous, as the meta kernel says (the CPU kernel's is a
+  // transposed (B, L, H)).
+  return {in_query_layout(out, query), logsumexp.to(at::kFloat).contiguous(), Tensor(), Tensor(), query.sym_size(2),
+          key.sym_size(2), seed, offset, no_values_like(query)};
 }
 
 std::tuple<Tensor, Tensor, Tensor> flash_attention_backward(const Tensor& grad_out, const Tensor& query,
@@ -122,11 +146,7 @@ std::tuple<Tensor, Tensor, Tensor> flash_attention_backward(const Tensor& grad_o
 constexpr int64_t kLogsumexpRows = 32;
 
 static int64_t logsumexp_rows(int64_t length) {
-  static const bool rocm = [] {
-    const char* vendor = std::getenv("MIRAGE_VENDOR");
-    return !vendor || std::strcmp(vendor, "nvidia") != 0;
-  }();
-  return rocm ? length : (length + kLogsumexpRows - 1) / kLogsumexpRows * kLogsumexpRows;
+  return rocm_profile() ? length : (length + kLogsumexpRows - 1) / kLogsumexpRows * kLogsumexpRows;
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> efficient_attention(const Tensor& query, const Tensor& key,

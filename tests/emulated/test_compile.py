@@ -294,3 +294,42 @@ def test_aotinductor_on_an_emulated_gpu_raises_that_it_is_not_emulated(tmp_path)
     exported = torch.export.export(model, (torch.randn(4, 16, device=DEVICE),))
     with pytest.raises(NotImplementedError, match="AOTInductor .* is not emulated.*Fix:"):
         torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp_path / "model.pt2"))
+
+
+def test_fused_attention_outputs_have_the_meta_kernels_shapes_strides_and_dtypes():
+    """Compiled graphs assert the meta kernel's layout of every output, and DTensor's context
+    parallelism wraps the philox seed and offset as it does on the real build."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = (torch.randn(2, 128, 4, 64, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
+    real = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, is_causal=True)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.aten._scaled_dot_product_flash_attention(*(mode.from_tensor(t) for t in (q, k, v)),
+                                                                  is_causal=True)
+    for index, (r, f) in enumerate(zip(real, fake)):
+        if isinstance(f, torch.Tensor) and f.numel() > 0:
+            assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype), index
+        elif isinstance(f, torch.Tensor):
+            assert (r.shape, r.dtype) == (f.shape, f.dtype), index
+
+
+def test_compiled_activation_checkpointing_replays_the_generator_around_attention():
+    """Selective activation checkpointing under torch.compile (torchtitan's default): AOTAutograd
+    recomputes the random-seeded attention op in the backward through graphsafe_run_with_rng_state,
+    which the host graph runs with the device generator."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    model = checkpoint_wrapper(Block(64, 4).to(DEVICE, torch.bfloat16))  # as torchtitan: wrapped, then compiled
+    x = torch.randn(2, 128, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+
+    def step(block: nn.Module) -> list[torch.Tensor]:
+        x.grad = None
+        model.zero_grad()
+        block(x).float().square().mean().backward()
+        return [x.grad, *(p.grad for p in model.parameters())]
+
+    eager = step(model)
+    compiled = step(torch.compile(model))
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, atol=2e-2, rtol=2e-2)
