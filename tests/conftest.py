@@ -28,6 +28,18 @@ def mirage(*args: str, timeout: float = 600, input: str | None = None,
     )
 
 
+@pytest.fixture(scope="session")
+def triton_path() -> Path:
+    """A folder holding triton (the release paired with torch 2.13), installed once without
+    dependencies (.venv-triton/, ignored by git), for a workload's PYTHONPATH: most GPU boxes
+    have triton, the CPU build of torch does not install it, and the suite mostly runs without."""
+    target = REPO / ".venv-triton"
+    if not (target / "triton" / "__init__.py").exists():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                        "triton==3.9.0"], check=True, timeout=900)
+    return target
+
+
 def pytest_collection_modifyitems(config, items):
     """Slow scale tests run only with MIRAGE_SLOW_TESTS=1, so CI can keep a bounded set."""
     if os.environ.get("MIRAGE_SLOW_TESTS") == "1":

@@ -1,34 +1,18 @@
 """With the triton package installed, as on every GPU box (torchtitan and many libraries need it):
 torch.compile works on every profile, and Triton's driver answers for the emulated GPU.
 
-Triton is a 285 MB wheel that nothing else in the suite needs, so it is installed once, without
-dependencies, into a folder of its own (.venv-triton/, ignored by git) that these tests put on the
-workload's PYTHONPATH; the rest of the suite keeps running without it.
+Triton is a 285 MB wheel that the rest of the suite does not need: conftest's `triton_path`
+installs it once into a folder of its own that these tests put on the workload's PYTHONPATH.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO, mirage
+from conftest import mirage
 from mirage import profiles
-
-TRITON = "triton==3.9.0"  # the release paired with torch 2.13
-
-
-@pytest.fixture(scope="module")
-def triton_path() -> Path:
-    target = REPO / ".venv-triton"
-    if not (target / "triton" / "__init__.py").exists():
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), TRITON],
-                       check=True, timeout=900)
-    return target
-
 
 SCRIPT = """
 import torch, triton, triton.language as tl

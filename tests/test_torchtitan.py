@@ -1,0 +1,131 @@
+"""Unmodified torchtitan 0.2.2 (the release built for torch 2.13) trains its Llama 3 debug model on
+emulated GPUs: FSDP, TP, PP, CP, activation checkpointing, torch.compile, checkpoint resume.
+
+torchtitan and what it needs (datasets, tokenizers, tyro, tensorboard...) are installed once
+into a folder of their own (.venv-torchtitan/, ignored by git) on the workload's PYTHONPATH, with
+triton (conftest's `triton_path`), which torchtitan imports. torchtitan's test assets live in
+its repository, not its wheel, so the run's own are made here: a byte-level BPE tokenizer trained
+with `tokenizers` on a corpus of the Python standard library's docstrings, and that corpus as the
+`c4_test` dataset (JSON lines with a `text` field). Every option is a command-line flag of
+torchtitan's own; the runs differ from its debug_model.toml in steps, sequence length and batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, mirage
+
+TORCHTITAN = ["torchtitan==0.2.2", "torchdata==0.11.0"]
+DEPENDENCIES = ["datasets", "tokenizers", "tomli", "fsspec", "tyro", "einops", "tensorboard", "pillow"]
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def torchtitan_path() -> Path:
+    target = REPO / ".venv-torchtitan"
+    if not (target / "torchtitan" / "train.py").exists():
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--target", str(target)]
+        # torchtitan's and torchdata's own requirements name torch, which must stay the CPU build
+        subprocess.run([*pip, "--no-deps", *TORCHTITAN], check=True, timeout=900)
+        subprocess.run([*pip, *DEPENDENCIES], check=True, timeout=900)
+    return target
+
+
+def corpus() -> list[str]:
+    """Long docstrings of the standard library (the same on every machine with this Python)."""
+    import argparse, asyncio, collections, email, logging, pathlib, textwrap, unittest, zipfile
+
+    texts = set()
+    for module in (argparse, asyncio, collections, email, inspect, json, logging, pathlib, re, subprocess, textwrap,
+                   unittest, zipfile):
+        for obj in [module, *vars(module).values()]:
+            if inspect.ismodule(obj) or inspect.isclass(obj) or inspect.isfunction(obj):
+                doc = inspect.getdoc(obj)
+                if doc and len(doc) > 200:
+                    texts.add(doc)
+    return sorted(texts)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory, torchtitan_path) -> Path:
+    """tokenizer/ (tokenizer.json, tokenizer_config.json) and c4_test/data.json."""
+    root = tmp_path_factory.mktemp("torchtitan_assets")
+    texts = corpus()
+    (root / "c4_test").mkdir()
+    with open(root / "c4_test" / "data.json", "w") as f:
+        for text in texts:
+            f.write(json.dumps({"text": text}) + "\n")
+    train = f"""
+import sys
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+tok = Tokenizer(models.BPE())
+tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+tok.decoder = decoders.ByteLevel()
+special = ["<|begin_of_text|>", "<|end_of_text|>"]
+tok.train([{str(root / "c4_test" / "data.json")!r}], trainers.BpeTrainer(vocab_size=2000, special_tokens=special))
+tok.save({str(root / "tokenizer" / "tokenizer.json")!r})
+"""
+    (root / "tokenizer").mkdir()
+    subprocess.run([sys.executable, "-c", train], check=True, env={**os.environ, "PYTHONPATH": str(torchtitan_path)})
+    (root / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "add_bos_token": True,
+         "add_eos_token": True}))
+    return root
+
+
+def train(assets: Path, torchtitan_path: Path, triton_path: Path, gpus: int, *flags: str,
+          steps: int = STEPS, workdir: Path | None = None) -> dict[int, float]:
+    """`torchrun -m torchtitan.train` under mirage; the loss of each step, from torchtitan's own line."""
+    command = ["torchrun", "--standalone", f"--nproc_per_node={gpus}", "-m", "torchtitan.train",
+               "--model.name", "llama3", "--model.flavor", "debugmodel",
+               "--model.hf_assets_path", str(assets / "tokenizer"),
+               "--training.dataset", "c4_test", "--training.dataset_path", str(assets / "c4_test"),
+               "--training.steps", str(steps), "--training.seq_len", "512", "--training.local_batch_size", "2",
+               "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "2e-3", "--metrics.log_freq", "1", "--metrics.disable_color_printing",
+               "--job.dump_folder", str(workdir or assets / "outputs"), *flags]
+    env = {**os.environ, "PYTHONPATH": f"{torchtitan_path}:{triton_path}"}
+    result = mirage("run", "--quiet", "--profile", "h100", "--gpus-per-node", str(gpus), "--", *command,
+                    env=env, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
+    losses = {int(step): float(loss) for step, loss in
+              re.findall(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)", result.stdout + result.stderr)}
+    assert losses, result.stderr[-3000:]
+    return losses
+
+
+SLOW = pytest.mark.slow  # about 25 s each on 2 cores; MIRAGE_SLOW_TESTS=1 runs them (README says so)
+
+
+@pytest.mark.parametrize("flags", [
+    pytest.param([], id="fsdp"),  # over both GPUs: the debug model's default
+    pytest.param(["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"],
+                 marks=SLOW, id="tp"),
+    pytest.param(["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
+                  "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], marks=SLOW, id="pp-interleaved"),
+    pytest.param(["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "2"],
+                 marks=SLOW, id="cp"),
+    pytest.param(["--compile.enable", "--activation_checkpoint.mode", "selective"], id="compile-selective-ac"),
+    pytest.param(["--activation_checkpoint.mode", "full"], marks=SLOW, id="full-ac"),
+])
+def test_the_debug_model_trains(assets, torchtitan_path, triton_path, flags, tmp_path):
+    losses = train(assets, torchtitan_path, triton_path, 2, *flags, workdir=tmp_path)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert losses[STEPS] < losses[1] - 0.5, losses  # it learns (with --optimizer.lr 0 it does not)
+
+
+def test_a_checkpoint_resumes(assets, torchtitan_path, triton_path, tmp_path):
+    """Eight steps saving at 4 and 8, then a second job that loads step 8 and trains 9 and 10."""
+    checkpoint = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.no_last_save_model_only"]
+    first = train(assets, torchtitan_path, triton_path, 2, *checkpoint, workdir=tmp_path)
+    assert (tmp_path / "checkpoint" / f"step-{STEPS}").is_dir()
+    resumed = train(assets, torchtitan_path, triton_path, 2, *checkpoint, steps=STEPS + 2, workdir=tmp_path)
+    assert sorted(resumed) == [STEPS + 1, STEPS + 2] and resumed[STEPS + 1] < first[1] - 0.5
