@@ -10,6 +10,7 @@ captured at import time (Stream, Event, the device-properties type) are replaced
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from types import ModuleType
 
 from mirage import profiles
@@ -179,7 +180,17 @@ def _allow_device_storages(torch: ModuleType) -> None:
 
 
 def install(torch: ModuleType) -> None:
-    """Completes torch.cuda for the emulated devices. Called once, right after `import torch`."""
+    """Completes torch.cuda for the emulated devices. Called once, right after `import torch`.
+    A dispatch mode torch enabled during its import (TORCH_CUDA_SANITIZER=1 enables the CUDA
+    Sanitizer's) does not see the operators this calls: they are the device's set-up, not the
+    program's work, and the mode would ask torch.cuda for streams before it is complete."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        _install(torch, _disable_current_modes)
+
+
+def _install(torch: ModuleType, _disable_current_modes: Callable) -> None:
     profile = profiles.load(os.environ["MIRAGE_PROFILE"])
     visible = [int(gpu) for gpu in os.environ.get("MIRAGE_VISIBLE_GPUS", "").split(",") if gpu]  # see boot.py
     count = len(visible)
@@ -246,7 +257,11 @@ def install(torch: ModuleType) -> None:
         with cuda._initialization_lock:
             if cuda._initialized:
                 return
-            C._cuda_init()
+            # The allocator's configuration check is an operator: a dispatch mode active now (the
+            # CUDA Sanitizer's) would see it and ask for the current stream, re-entering this
+            # function under the lock. Initialisation is not the program's work: no mode sees it.
+            with _disable_current_modes():
+                C._cuda_init()
             cuda._tls.is_initializing = True
             calls = list(cuda._queued_calls)
             calls.extend(c for c in cuda._lazy_seed_tracker.get_calls() if c)

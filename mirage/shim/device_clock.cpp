@@ -1,6 +1,7 @@
 // The predicted timeline (device_clock.h): stream and host clocks, the work placed on them, the
 // steps the report splits it into, and what the trace and the report read back.
 #include "device_clock.h"
+#include "gpu_trace.h"
 
 #include "device_guard.h"
 #include "device_memory.h"
@@ -223,6 +224,7 @@ TORCH_LIBRARY_FRAGMENT(mirage, m) {
   });
   // torch.cuda.synchronize: the host waits for the current device.
   m.def("clock_synchronize() -> ()", []() {
+    if (auto* trace = mirage::gpu_trace()) (*trace)->trace_gpu_device_synchronization(c10::DeviceType::CUDA);
     if (mirage::timing()) mirage::host_waits_for(mirage::device_time(mirage::tl_device));
   });
   // The program marks its own steps: those the optimizer marked so far do not count.

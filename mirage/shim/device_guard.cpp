@@ -3,6 +3,7 @@
 #include "faults.h"
 
 #include "device_clock.h"
+#include "gpu_trace.h"
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -44,7 +45,9 @@ struct MirageGuard final : c10::impl::DeviceGuardImplInterface {
   }
   c10::Stream getDefaultStream(c10::Device d) const override { return c10::Stream(c10::Stream::DEFAULT, indexed(d)); }
   c10::Stream getNewStream(c10::Device d, int) const override {
-    return c10::Stream(c10::Stream::UNSAFE, indexed(d), new_stream_id());
+    c10::Stream stream(c10::Stream::UNSAFE, indexed(d), new_stream_id());
+    if (auto* trace = gpu_trace()) (*trace)->trace_gpu_stream_creation(DeviceType::CUDA, stream.id());
+    return stream;
   }
   c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override { return getNewStream(d, 0); }
   c10::Stream exchangeStream(c10::Stream s) const override {
@@ -56,7 +59,12 @@ struct MirageGuard final : c10::impl::DeviceGuardImplInterface {
   // Work is done when issued, so without clocked mode an event is the host time at which it
   // was recorded; in clocked mode, its stream's predicted clock (device_clock.h).
   void record(void** event, const c10::Stream& stream, const DeviceIndex, const c10::EventFlag) const override {
-    if (*event == nullptr) *event = new RecordedEvent{};
+    auto* trace = gpu_trace();
+    if (*event == nullptr) {
+      *event = new RecordedEvent{};
+      if (trace) (*trace)->trace_gpu_event_creation(DeviceType::CUDA, trace_handle(*event));
+    }
+    if (trace) (*trace)->trace_gpu_event_record(DeviceType::CUDA, trace_handle(*event), stream.id());
     auto* e = static_cast<RecordedEvent*>(*event);
     e->recorded = true;
     if (timing()) {  // an idle stream reaches the record when the host issues it
@@ -66,24 +74,32 @@ struct MirageGuard final : c10::impl::DeviceGuardImplInterface {
                   .count();
     }
   }
-  void destroyEvent(void* event, const DeviceIndex) const noexcept override { delete static_cast<RecordedEvent*>(event); }
+  void destroyEvent(void* event, const DeviceIndex) const noexcept override {
+    if (auto* trace = gpu_trace()) (*trace)->trace_gpu_event_deletion(DeviceType::CUDA, trace_handle(event));
+    delete static_cast<RecordedEvent*>(event);
+  }
   // wait_event: the stream's later work starts after the event.
   void block(void* event, const c10::Stream& stream) const override {
     auto* e = static_cast<RecordedEvent*>(event);
-    if (timing() && e && e->recorded) stream_waits_for(stream.device_index(), stream.id(), e->ns);
+    if (!e) return;  // waiting for an event never recorded: nothing to wait for, as on CUDA
+    if (auto* trace = gpu_trace()) (*trace)->trace_gpu_event_wait(DeviceType::CUDA, trace_handle(e), stream.id());
+    if (timing() && e->recorded) stream_waits_for(stream.device_index(), stream.id(), e->ns);
   }
   bool queryEvent(void*) const override { return true; }
   bool queryStream(const c10::Stream&) const override { return true; }
   void synchronizeStream(const c10::Stream& stream) const override {
     check_device_not_lost();
+    if (auto* trace = gpu_trace()) (*trace)->trace_gpu_stream_synchronization(DeviceType::CUDA, stream.id());
     if (timing()) host_waits_for(stream_time(stream.device_index(), stream.id()));
   }
   void synchronizeEvent(void* event) const override {
     auto* e = static_cast<RecordedEvent*>(event);
+    if (auto* trace = gpu_trace(); trace && e) (*trace)->trace_gpu_event_synchronization(DeviceType::CUDA, trace_handle(e));
     if (timing() && e && e->recorded) host_waits_for(e->ns);
   }
   void synchronizeDevice(const DeviceIndex device) const override {
     check_device_not_lost();
+    if (auto* trace = gpu_trace()) (*trace)->trace_gpu_device_synchronization(DeviceType::CUDA);
     if (timing()) host_waits_for(device_time(device < 0 ? tl_device : device));
   }
   void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}

@@ -2,6 +2,7 @@
 // out-of-memory error, device blocks and private-pool blocks, the CUDA allocator, and the
 // operators torch.cuda's memory functions reach (memory fraction, allocator config, segments).
 #include "device_memory.h"
+#include "gpu_trace.h"
 #include "faults.h"
 
 #include "memory_history.h"
@@ -184,6 +185,9 @@ struct BlockHeader {
 
 static void free_block(void* base) {
   auto* h = static_cast<BlockHeader*>(base);
+  if (auto* trace = gpu_trace()) {
+    (*trace)->trace_gpu_memory_deallocation(DeviceType::CUDA, trace_handle(static_cast<char*>(base) + kHeader));
+  }
   free_device_block(h->device, h->block);
   free_device_bytes(base);
 }
@@ -199,6 +203,7 @@ bool release_pool_block(void* data) {
     found = it->second;
     g_pool_blocks.by_data.erase(it);
   }
+  if (auto* trace = gpu_trace()) (*trace)->trace_gpu_memory_deallocation(DeviceType::CUDA, trace_handle(data));
   free_device_block(found.first, found.second);
   return true;
 }
@@ -214,6 +219,7 @@ c10::DataPtr pool_block_data(DeviceIndex dev, CachedBlock* block) {
     std::lock_guard<std::mutex> g(g_pool_blocks.mu);
     g_pool_blocks.by_data[block->host] = {dev, block};
   }
+  if (auto* trace = gpu_trace()) (*trace)->trace_gpu_memory_allocation(DeviceType::CUDA, trace_handle(block->host));
   return {block->host, block->host, &free_pool_block, c10::Device(DeviceType::CUDA, dev)};
 }
 
@@ -237,6 +243,9 @@ struct DeviceMemoryAllocator final : c10::DeviceAllocator {
     auto* h = static_cast<BlockHeader*>(base);
     h->block = block;
     h->device = dev;
+    if (auto* trace = gpu_trace()) {
+      (*trace)->trace_gpu_memory_allocation(DeviceType::CUDA, trace_handle(static_cast<char*>(base) + kHeader));
+    }
     return {static_cast<char*>(base) + kHeader, base, &free_block, c10::Device(DeviceType::CUDA, dev)};
   }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
