@@ -182,8 +182,10 @@ def test_fsdp2_tensor_parallel_dtensor_and_ddp_buckets_on_four_gpus():
     result = mirage("run", "--nproc-per-node", "4", "--gpus-per-node", "4", "--",
                     "python", "tests/workloads/parallelisms.py")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    for name in ("fsdp2 losses equal single-device training", "tensor parallel on a 2x2 mesh",
-                 "dtensor shard/replicate on a cuda mesh", "ddp 24 params, bucket_cap_mb=1, no_sync"):
+    for name in ("fsdp2 losses equal single-device training",
+                 "tensor parallel on a 2x2 mesh, gradients equal the unsharded module's",
+                 "dtensor shard/replicate on a cuda mesh",
+                 "ddp 24 params, bucket_cap_mb=1, no_sync, 50 steps, equal to one device on every rank's data"):
         assert f"[0] ok {name}" in result.stdout
     assert "[0] parallelisms_ok" in result.stdout
 
@@ -205,7 +207,8 @@ def test_ddp_many_buckets_500_steps_on_two_nodes_of_four():
                     "--env", "DDP_ONLY=1", "--env", "DDP_STEPS=500", "--",
                     "python", "tests/workloads/parallelisms.py", timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "[0] ok ddp 24 params, bucket_cap_mb=1, no_sync, 500 steps" in result.stdout
+    assert ("[0] ok ddp 24 params, bucket_cap_mb=1, no_sync, 500 steps, equal to one device on every rank's data"
+            in result.stdout)
 
 
 def test_two_ranks_on_one_gpu_fail_with_rccls_duplicate_gpu_error(tmp_path):
