@@ -249,27 +249,57 @@ def test_one_gpu_per_rank_through_cuda_visible_devices(tmp_path):
     assert "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1" in same.stderr
 
 
-@pytest.mark.parametrize("calls, expected", [
-    ("t = torch.ones(1000 * (rank + 1), device='cuda')\npg.allreduce([t]).wait()",
-     ["(different numel)", "rank 0: all_reduce(dtype=float32, shapes=[[1000]], op=SUM)",
-      "rank 1: all_reduce(dtype=float32, shapes=[[2000]], op=SUM)"]),
-    ("t = torch.ones(1000, device='cuda')\n"
-     "if rank == 0: pg.broadcast(t, 0).wait()\n"
-     "else: pg._allgather_base(torch.empty(2000, device='cuda'), t).wait()",
-     ["(different op)", "rank 0: broadcast(dtype=float32, shapes=[[1000]])",
-      "rank 1: all_gather_into_tensor(dtype=float32, shapes=[[1000]])"]),
-])
-def test_collectives_that_do_not_match_end_the_session_naming_each_call(tmp_path, calls, expected):
-    """Through the process group's C++ API, as DDP's reducer calls it: the emulated NCCL backend
-    is where every collective passes, so the flight recorder sees these too."""
+DIFFERENT_NUMEL = "t = torch.ones(1000 * (rank + 1), device='cuda')\npg.allreduce([t]).wait()"
+DIFFERENT_OP = ("t = torch.ones(1000, device='cuda')\n"
+                "if rank == 0: pg.broadcast(t, 0).wait()\n"
+                "else: pg._allgather_base(torch.empty(2000, device='cuda'), t).wait()")
+
+
+def run_desync(tmp_path, calls: str, *options: str) -> subprocess.CompletedProcess:
+    """Runs `calls` on 2 ranks through the process group's C++ API, as DDP's reducer calls it."""
     script = tmp_path / "mismatch.py"
     script.write_text(
         "import os, torch, torch.distributed as dist\n"
         "rank = int(os.environ['RANK']); torch.cuda.set_device(rank)\n"
         f"dist.init_process_group('nccl')\npg = dist.group.WORLD\n{calls}\nprint('unreachable')\n")
-    result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", str(script), timeout=120)
-    assert result.returncode == 123, result.stderr[-3000:]
+    result = mirage("run", *options, "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", str(script),
+                    timeout=120)
     assert "unreachable" not in result.stdout
+    return result
+
+
+@pytest.mark.parametrize("calls, expected", [
+    (DIFFERENT_NUMEL, ["group rank 0: all_reduce of 1000 x Float, op SUM",
+                       "group rank 1: all_reduce of 2000 x Float, op SUM"]),
+    (DIFFERENT_OP, ["group rank 0: broadcast of 1000 x Float, root 0", "group rank 1: all_gather of 1000 x Float"]),
+], ids=["different-numel", "different-op"])
+def test_collectives_that_do_not_match_fail_on_every_rank_naming_each_call(tmp_path, calls, expected):
+    """The backend's half of the contract (README: "fails on every rank naming each call"), with
+    --in-process so no session service ends the run first: each rank's own DistBackendError
+    names both calls."""
+    result = run_desync(tmp_path, calls, "--in-process")
+    assert result.returncode == 1, result.stderr[-3000:]
+    lines = result.stderr.splitlines()
+    for rank in (0, 1):
+        error = (f"[{rank}] [rank{rank}]: torch.distributed.DistBackendError: "
+                 f"[PG ID 0 PG GUID 0(default_pg) Rank {rank}]")
+        assert any(line.startswith(error) and line.endswith("the ranks' calls do not match (a desync: NCCL would "
+                                                            "mix or hang here):") for line in lines), result.stderr
+        for text in expected:
+            assert f"[{rank}] [rank{rank}]:   {text}" in lines, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("calls, expected", [
+    (DIFFERENT_NUMEL, ["(different numel)", "rank 0: all_reduce(dtype=float32, shapes=[[1000]], op=SUM)",
+                       "rank 1: all_reduce(dtype=float32, shapes=[[2000]], op=SUM)"]),
+    (DIFFERENT_OP, ["(different op)", "rank 0: broadcast(dtype=float32, shapes=[[1000]])",
+                    "rank 1: all_gather_into_tensor(dtype=float32, shapes=[[1000]])"]),
+], ids=["different-numel", "different-op"])
+def test_collectives_that_do_not_match_end_the_session_naming_each_call(tmp_path, calls, expected):
+    """The session's half: the emulated NCCL backend is where every collective passes, so the
+    flight recorder sees these too, reports the desync and ends the session with 123."""
+    result = run_desync(tmp_path, calls)
+    assert result.returncode == 123, result.stderr[-3000:]
     assert "mirage: collective desync in group '0' at sequence number 1" in result.stderr
     for text in expected:
         assert text in result.stderr
