@@ -1,5 +1,6 @@
 """Emulated NCCL across emulated GPUs and nodes: collectives, DDP, the demo commands."""
 
+import json
 import os
 import pickle
 import re
@@ -23,13 +24,25 @@ ONE_NODE_OF_FOUR = ["--nproc-per-node", "4", "--gpus-per-node", "4"]
 TWO_NODES_OF_TWO = ["--num-nodes", "2", "--nproc-per-node", "2", "--gpus-per-node", "2"]
 
 
-@pytest.mark.parametrize("transport", [
-    ONE_NODE_OF_FOUR, [*ONE_NODE_OF_FOUR, "--env", "NCCL_P2P_DISABLE=1"], [*ONE_NODE_OF_FOUR, *NCCL_ENV],
-    pytest.param(TWO_NODES_OF_TWO, marks=pytest.mark.skipif(nodes.unavailable_reason() is not None,
-                                                            reason="cannot isolate nodes here")),
+# Collectives that never copy from a peer's memory, even where P2P is on: PREMUL_SUM is scaled
+# in a staging copy, and a root whose tensor is heap memory cannot be read by its peers.
+STAGED_ON_ONE_HOST = {"peer_memory_all_reduce PREMUL_SUM", "peer_memory_broadcast_from_heap"}
+
+
+@pytest.mark.parametrize("transport, init, via, direct", [
+    (ONE_NODE_OF_FOUR, "transport shared memory, P2P direct copies)", {"P2P/direct pointer"}, True),
+    ([*ONE_NODE_OF_FOUR, "--env", "NCCL_P2P_DISABLE=1"], "transport shared memory)", {"SHM/direct/direct"}, False),
+    ([*ONE_NODE_OF_FOUR, *NCCL_ENV], "transport sockets)", {"NET/Socket/0"}, False),
+    pytest.param(TWO_NODES_OF_TWO, "transport shared memory within a node, sockets across nodes)",
+                 {"P2P/direct pointer", "NET/Socket/0"}, None,
+                 marks=pytest.mark.skipif(nodes.unavailable_reason() is not None, reason="cannot isolate nodes here")),
 ], ids=["shared-memory", "shared-memory-without-p2p", "sockets", "two-isolated-nodes"])
-def test_every_collective_on_device_tensors_equals_gloo_on_cpu(transport):
-    result = mirage("run", *transport, "--", "python", "tests/workloads/collectives.py")
+def test_every_collective_on_device_tensors_equals_gloo_on_cpu(transport, init, via, direct):
+    """Each variant is held to the transport it names: NCCL_DEBUG=INFO's init line of the world
+    communicator on every rank and the transports of its channel lines, and, on one host, the
+    peers' device memory each rank touched in the `peer_memory_*` cases (the workload's
+    `peer_memory_kb` lines): some on every rank where P2P copies directly, none without P2P."""
+    result = mirage("run", *transport, "--env", "NCCL_DEBUG=INFO", "--", "python", "tests/workloads/collectives.py")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[0] collectives_ok" in result.stdout
     for name in ("all_reduce AVG", "all_reduce PREMUL_SUM", "all_reduce PRODUCT torch.int64 x 100003",
@@ -44,6 +57,17 @@ def test_every_collective_on_device_tensors_equals_gloo_on_cpu(transport):
                  "peer_memory_isend_irecv_both_ways", "peer_memory_all_reduce PRODUCT torch.int64",
                  "peer_memory_all_reduce AVG", "peer_memory_all_reduce PREMUL_SUM", "peer_memory_reduce"):
         assert f"[0] ok {name}" in result.stdout
+    lines = result.stderr.splitlines()
+    world_inits = [line for line in lines if "nRanks 4" in line and "group 0 - Init COMPLETE" in line]
+    assert len(world_inits) == 4 and all(line.endswith(init) for line in world_inits), world_inits
+    assert {line.rsplit(" via ", 1)[1] for line in lines if "RCCL INFO Channel" in line} == via
+    if direct is None:
+        return  # across nodes, which pairs copy directly is the hierarchy's choice
+    touched = {line.split(" ", 2)[2].rsplit(" [", 1)[0]: json.loads("[" + line.rsplit(" [", 1)[1])
+               for line in result.stdout.splitlines() if line.startswith("[0] peer_memory_kb ")}
+    assert len(touched) == 11, touched
+    for name, kb in touched.items():
+        assert (all(kb) if direct and name not in STAGED_ON_ONE_HOST else not any(kb)), (name, kb)
 
 
 def test_ddp_demo_under_torchrun():
@@ -63,41 +87,64 @@ def test_ddp_across_two_emulated_nodes_without_torchrun():
     assert "starting node 2/2" in result.stderr
 
 
+def run_large_collectives_on_two_gpus(tmp_path, *options: str, prologue: str = "") -> subprocess.CompletedProcess:
+    """Runs a 4 MB broadcast from rank 1, then an all_reduce, on 2 ranks with NCCL_DEBUG=INFO
+    (`prologue` first, before torch is imported); each rank prints `values <min> <max>` (4.0 4.0
+    when right) and rank 0 `peer_memory_kb <broadcast|all_reduce> [kB, kB]`: the peers' device
+    memory each rank touched (tests/workloads/peer_memory.py)."""
+    script = tmp_path / "large_collectives.py"
+    script.write_text(
+        prologue +
+        "import os, sys, torch, torch.distributed as dist\n"
+        "sys.path.insert(0, 'tests/workloads')\n"
+        "from peer_memory import PeerMemory\n"
+        "rank = int(os.environ['RANK']); torch.cuda.set_device(rank)\n"
+        "dist.init_process_group('nccl')\n"
+        "peer_memory = PeerMemory(torch.device('cuda', rank))\n"
+        "t = torch.full((1 << 20,), float(rank + 1), device='cuda')\n"
+        "with peer_memory.counting('broadcast'):\n    dist.broadcast(t, 1)\n"
+        "with peer_memory.counting('all_reduce'):\n    dist.all_reduce(t)\n"
+        "print('values', t.min().item(), t.max().item(), flush=True)\n"
+        "peer_memory.report()\n"
+        "dist.destroy_process_group()\n")
+    result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--env", "NCCL_DEBUG=INFO", *options,
+                    "--", "python", str(script), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[0] values 4.0 4.0" in result.stdout and "[1] values 4.0 4.0" in result.stdout
+    return result
+
+
 @pytest.mark.parametrize("p2p", [True, False], ids=["p2p", "NCCL_P2P_DISABLE"])
-def test_one_host_copies_between_gpus_memory_unless_p2p_is_disabled(p2p):
+def test_one_host_copies_between_gpus_memory_unless_p2p_is_disabled(tmp_path, p2p):
     """NCCL's P2P transport: on one host, large messages go straight from one GPU's memory to
-    another's; NCCL_P2P_DISABLE=1 leaves the staging through shared memory (the SHM transport)."""
-    result = mirage("run", "--gpus-per-node", "2", "--env", "NCCL_DEBUG=INFO",
-                    *([] if p2p else ["--env", "NCCL_P2P_DISABLE=1"]), "--", "torchrun", "--standalone",
-                    "--nproc_per_node=2", "tests/fixtures/ml/dist_smoke.py")
+    another's; NCCL_P2P_DISABLE=1 leaves the staging through shared memory (the SHM transport).
+    Held to its log line (the demo under torchrun) and to what was copied: with P2P every rank
+    touches its peer's device memory in a 4 MB broadcast and all_reduce, without it none does."""
+    disable = [] if p2p else ["--env", "NCCL_P2P_DISABLE=1"]
+    result = mirage("run", "--gpus-per-node", "2", "--env", "NCCL_DEBUG=INFO", *disable, "--", "torchrun",
+                    "--standalone", "--nproc_per_node=2", "tests/fixtures/ml/dist_smoke.py")
     assert result.returncode == 0, result.stderr[-3000:]
     init_lines = [line for line in result.stderr.splitlines() if "Init COMPLETE" in line]
     assert len(init_lines) == 2
     assert all(("transport shared memory, P2P direct copies)" in line) == p2p for line in init_lines), init_lines
+    copies = run_large_collectives_on_two_gpus(tmp_path, *disable).stdout
+    for name in ("broadcast", "all_reduce"):
+        touched = json.loads(copies.split(f"[0] peer_memory_kb {name} ", 1)[1].split("\n", 1)[0])
+        assert len(touched) == 2 and (all(kb > 0 for kb in touched) if p2p else touched == [0, 0]), (name, touched)
 
 
 def test_a_rank_without_an_arena_makes_its_communicator_stage_everything(tmp_path):
     """Rank 1 cannot reserve the address space of its shared device memory (ulimit -v): no rank
-    may copy from or into it, so every rank of the communicator takes the staged path, and the
-    large collectives still give the right values."""
-    script = tmp_path / "no_arena.py"
-    script.write_text(
+    may copy from or into it, so every rank of the communicator takes the staged path (none
+    touches a peer's device memory), and the large collectives still give the right values."""
+    result = run_large_collectives_on_two_gpus(tmp_path, prologue=(
         "import os, resource\n"
         "if os.environ['RANK'] == '1':\n"
-        "    resource.setrlimit(resource.RLIMIT_AS, (16 << 30, 16 << 30))\n"
-        "import torch, torch.distributed as dist\n"
-        "rank = int(os.environ['RANK']); torch.cuda.set_device(rank)\n"
-        "dist.init_process_group('nccl')\n"
-        "t = torch.full((1 << 20,), float(rank + 1), device='cuda')\n"
-        "dist.broadcast(t, 1); dist.all_reduce(t)\n"
-        "print('values', t.min().item(), t.max().item())\n"
-        "dist.destroy_process_group()\n")
-    result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--env", "NCCL_DEBUG=INFO", "--",
-                    "python", str(script), timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "[0] values 4.0 4.0" in result.stdout and "[1] values 4.0 4.0" in result.stdout
+        "    resource.setrlimit(resource.RLIMIT_AS, (16 << 30, 16 << 30))\n"))
     init_lines = [line for line in result.stderr.splitlines() if "Init COMPLETE" in line]
     assert len(init_lines) == 2 and all(line.endswith("transport shared memory)") for line in init_lines), init_lines
+    assert "[0] peer_memory_kb broadcast [0, 0]" in result.stdout
+    assert "[0] peer_memory_kb all_reduce [0, 0]" in result.stdout
 
 
 def test_dist_smoke_on_two_nodes_logs_devices_and_reduces():
