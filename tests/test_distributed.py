@@ -323,7 +323,8 @@ def run_desync(tmp_path, calls: str, *options: str) -> subprocess.CompletedProce
 def test_collectives_that_do_not_match_fail_on_every_rank_naming_each_call(tmp_path, calls, expected):
     """The backend's half of the contract (README: "fails on every rank naming each call"), with
     --in-process so no session service ends the run first: each rank's own DistBackendError
-    names both calls."""
+    names both calls. (Checked: with the backend's report cut to the caller's own call, both
+    cases fail here while the session's test below still passes.)"""
     result = run_desync(tmp_path, calls, "--in-process")
     assert result.returncode == 1, result.stderr[-3000:]
     lines = result.stderr.splitlines()
