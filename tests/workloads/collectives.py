@@ -1,7 +1,11 @@
 """Every collective on emulated-GPU tensors over init_process_group("nccl"), checked against
 the same collective on CPU tensors (gloo) in the same job. Run with 4 ranks on 4 GPUs;
-rank 0 prints `ok <name>` per collective and `collectives_ok` at the end."""
+rank 0 prints `ok <name>` per collective and `collectives_ok` at the end.
 
+For the `peer_memory_*` cases it also prints which path they took (peer_memory.py):
+`peer_memory_kb <name> [kB, ...]`, per rank the kB of its peers' device memory it touched."""
+
+import contextlib
 import datetime
 import glob
 import os
@@ -10,12 +14,15 @@ import sys
 import torch
 import torch.distributed as dist
 
+from peer_memory import PeerMemory
+
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 dev = torch.device("cuda", torch.cuda.current_device())
 dist.init_process_group("nccl")
 cpu_group = dist.new_group(backend="gloo")
 checked = []
+peer_memory = PeerMemory(dev)
 
 
 def data(shape=(6,), dtype=torch.float32, seed=0):
@@ -36,7 +43,9 @@ def same(name, device_result, cpu_result):
 
 def both(name, fn):
     """Runs fn(make_tensor, group) on device tensors (nccl) and CPU tensors (gloo)."""
-    same(name, fn(lambda t: t.to(dev), None), fn(lambda t: t, cpu_group))
+    with peer_memory.counting(name) if name.startswith("peer_memory") else contextlib.nullcontext():
+        on_device = fn(lambda t: t.to(dev), None)
+    same(name, on_device, fn(lambda t: t, cpu_group))
 
 
 # all_reduce with every reduce op; AVG and PREMUL_SUM are checked against their definition.
@@ -92,10 +101,12 @@ dist.all_reduce(s, group=cpu_group)
 for name, op, expected in (("AVG", dist.ReduceOp.AVG, s / world),
                            ("PREMUL_SUM", dist._make_nccl_premul_sum(0.5), s * 0.5)):
     t = data((300_007,), seed=20).to(dev)
-    dist.all_reduce(t, op=op)
+    with peer_memory.counting(f"peer_memory_all_reduce {name}"):
+        dist.all_reduce(t, op=op)
     same(f"peer_memory_all_reduce {name}", t, expected)
 t = data((300_007,), seed=21).to(dev)
-dist.reduce(t, dst=2)
+with peer_memory.counting("peer_memory_reduce"):
+    dist.reduce(t, dst=2)
 s = data((300_007,), seed=21)
 dist.reduce(s, dst=2, group=cpu_group)
 same("peer_memory_reduce", t, s if rank == 2 else data((300_007,), seed=21))
@@ -388,6 +399,8 @@ checked.append("no shared-memory segment left in /dev/shm")
 if rank == 0:
     for name in checked:
         print(f"ok {name}")
+peer_memory.report(cpu_group)
+if rank == 0:
     print("collectives_ok")
 dist.destroy_process_group()
 sys.exit(0)

@@ -1,6 +1,11 @@
 """FSDP2, tensor parallel and DTensor on emulated GPUs (4 ranks), plus DDP with many small
 buckets and gradient accumulation under no_sync. Rank 0 prints `ok <name>` for each and
-`parallelisms_ok`. FSDP2's losses must equal the same model trained on one device."""
+`parallelisms_ok`.
+
+Each parallel model is held to the same model trained on one device: FSDP2's losses and final
+parameters, tensor parallel's output and gradients, DDP's parameters. FSDP2 and DDP train on
+different data on every rank, so a missing gradient reduction leaves the ranks' models apart
+from the reference (and DDP's from each other)."""
 
 import copy
 import os
@@ -64,18 +69,27 @@ if not os.environ.get("DDP_ONLY"):  # DDP_ONLY=1: just the DDP part, at any worl
         ref_loss.backward()
         ref_opt.step()
         torch.testing.assert_close(global_loss.cpu(), ref_loss.detach().cpu(), rtol=1e-4, atol=1e-5)
+    for sharded, whole in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(sharded.full_tensor(), whole.detach(), rtol=1e-4, atol=1e-5)
     done.append("fsdp2 losses equal single-device training")
 
     # Tensor parallel on a 2x2 mesh (dp x tp).
     mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
+    # The same seed on every rank: a tensor parallel group takes the same input on each of its ranks.
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)).to(device)
-    expected = mlp(torch.ones(2, 16, device=device))
     tp_mlp = parallelize_module(copy.deepcopy(mlp), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    out = tp_mlp(torch.ones(2, 16, device=device))
+    x = torch.randn(2, 16, device=device)
+    expected = mlp(x)
+    out = tp_mlp(x)
     torch.testing.assert_close(out, expected)
+    expected.sum().backward()
     out.sum().backward()
-    done.append("tensor parallel on a 2x2 mesh")
+    for name, whole in mlp.named_parameters():
+        sharded = tp_mlp.get_parameter(name)
+        assert isinstance(sharded.grad, DTensor), name
+        torch.testing.assert_close(sharded.grad.full_tensor(), whole.grad, msg=lambda m, name=name: f"{name}: {m}")
+    done.append("tensor parallel on a 2x2 mesh, gradients equal the unsharded module's")
 
     # DTensor on a cuda mesh.
     flat = init_device_mesh("cuda", (world,))
@@ -86,26 +100,42 @@ if not os.environ.get("DDP_ONLY"):  # DDP_ONLY=1: just the DDP part, at any worl
     assert torch.equal((d * 2).full_tensor(), full * 2)
     done.append("dtensor shard/replicate on a cuda mesh")
 
-# DDP with many 1 MB buckets and gradient accumulation under no_sync.
+# DDP with many 1 MB buckets and gradient accumulation under no_sync, each rank on its own data.
+# The reference replays the schedule on one device with every rank's batch at once: the mean
+# over ranks of each rank's mean loss is the mean over the whole batch, so DDP's averaged
+# gradients must equal the reference's. A copy trained on this rank's data alone (no all-reduce)
+# must end elsewhere, or the comparison could not tell DDP from no DDP.
 torch.manual_seed(0)
 deep = nn.Sequential(*[nn.Linear(64, 64) for _ in range(24)]).to(device)
+reference, alone = copy.deepcopy(deep), copy.deepcopy(deep)
 ddp = nn.parallel.DistributedDataParallel(deep, bucket_cap_mb=1)
-opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+optimizers = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (ddp, reference, alone)]
+batches = [torch.Generator().manual_seed(1000 + r) for r in range(world)]  # rank r's data
 steps = int(os.environ.get("DDP_STEPS", "50"))
 for step in range(steps):
-    x = torch.randn(8, 64, device=device)
+    xs, ys = zip(*((torch.randn(8, 64, generator=g).to(device), torch.randn(8, 64, generator=g).to(device))
+                   for g in batches))
     if step % 2 == 0:
         with ddp.no_sync():
-            ddp(x).pow(2).mean().backward()
+            nn.functional.mse_loss(ddp(xs[rank]), ys[rank]).backward()
     else:
-        ddp(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
+        nn.functional.mse_loss(ddp(xs[rank]), ys[rank]).backward()
+    nn.functional.mse_loss(reference(torch.cat(xs)), torch.cat(ys)).backward()
+    nn.functional.mse_loss(alone(xs[rank]), ys[rank]).backward()
+    if step % 2 == 1:
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+for name, trained in deep.named_parameters():
+    torch.testing.assert_close(trained, reference.get_parameter(name), rtol=1e-4, atol=1e-6,
+                               msg=lambda m, name=name: f"rank {rank}: DDP's {name} is not the reference's: {m}")
+assert any(not torch.allclose(p, q, rtol=1e-3, atol=1e-5) for p, q in zip(deep.parameters(), alone.parameters())), \
+    "training without DDP ends where DDP does: the comparison cannot tell them apart"
 checksum = torch.stack([p.detach().sum() for p in deep.parameters()]).sum().reshape(1)
 all_sums = [torch.zeros_like(checksum) for _ in range(world)]
 dist.all_gather(all_sums, checksum)
 assert all(torch.equal(s, all_sums[0]) for s in all_sums)
-done.append(f"ddp 24 params, bucket_cap_mb=1, no_sync, {steps} steps")
+done.append(f"ddp 24 params, bucket_cap_mb=1, no_sync, {steps} steps, equal to one device on every rank's data")
 
 if rank == 0:
     for name in done:
