@@ -77,13 +77,16 @@ def test_forcing_a_fused_attention_backend_runs_that_backend():
         torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-3, atol=2e-3)
         out.sum().backward()
         assert qd.grad.shape == q.shape and qd.grad.dtype == torch.float16
-    # the signatures: flash's logsumexp (B, H, L); memory-efficient's rounded up to 32 rows on CUDA,
-    # (B, H, L) on ROCm (torch's meta kernel says the same)
-    qd = q.cuda()
-    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(qd, qd, qd)
-    assert lse.shape == (2, 4, 40) and lse.dtype == torch.float32
-    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(qd, qd, qd, None, True)
-    assert lse.shape == ((2, 4, 40) if torch.version.hip else (2, 4, 64))
+    # the output and logsumexp as torch's meta kernels give them; they read torch.version.hip, set
+    # as the profile's build sets it (memory-efficient's logsumexp is rounded up to 32 rows on CUDA,
+    # (B, H, L) on ROCm)
+    qd, qm = q.cuda(), q.to("meta")
+    for op, args in ((torch.ops.aten._scaled_dot_product_flash_attention, ()),
+                     (torch.ops.aten._scaled_dot_product_efficient_attention, (None, True))):
+        got, expected = op(qd, qd, qd, *args)[:2], op(qm, qm, qm, *args)[:2]
+        assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in expected], op
+    lse = torch.ops.aten._scaled_dot_product_efficient_attention(qd, qd, qd, None, True)[1]
+    assert lse.shape == ((2, 4, 40) if torch.version.hip else (2, 4, 64))  # the meta kernel's own rule, held fixed
     # flash takes half precision only: with only flash allowed, a float32 call has no kernel, as on a GPU
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION), pytest.raises(RuntimeError, match="No available kernel"):
         nn.functional.scaled_dot_product_attention(*(t.float().cuda() for t in (q, k, v)))
