@@ -132,6 +132,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.k:
         names = [n for n in names if any(k in n for k in args.k)]
     suite = unittest.TestSuite(TestDistBackendWithSpawn(n) for n in names)
+    commit = _commit()  # before the run: a checkout without git fails now, not after an hour
     started = time.monotonic()
     result = unittest.TextTestRunner(verbosity=2, stream=sys.stdout, resultclass=_Outcomes).run(suite)
     wall = time.monotonic() - started
@@ -139,7 +140,7 @@ def _run(args: argparse.Namespace) -> int:
         outcomes = {n: result.outcomes.get(n, {"outcome": "not_run"}) for n in names}
         with open(args.json, "w") as f:
             json.dump({"backend": args.backend, "world_size": args.world_size, "wall_s": round(wall, 1),
-                       "commit": _commit(),
+                       "commit": commit,
                        "timeout_scale": args.timeout_scale,
                        "tests": outcomes}, f, indent=1, sort_keys=True)
     return 0 if result.wasSuccessful() else 1
