@@ -6,6 +6,7 @@ test_emulated_suite.py), so the host-side collection skips them.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -38,6 +39,17 @@ def triton_path() -> Path:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
                         "triton==3.9.0"], check=True, timeout=900)
     return target
+
+
+SWEEP_RESULTS = REPO / "docs" / "conformance" / "sweeps"
+
+
+def record_sweep(name: str, summary: dict) -> None:
+    """Writes a sweep's summary to docs/conformance/sweeps/NAME.json, the file docs/conformance.md
+    quotes its counts from. Wall times are left out, so the file changes only when an outcome does."""
+    SWEEP_RESULTS.mkdir(parents=True, exist_ok=True)
+    kept = {key: value for key, value in summary.items() if key not in ("seconds", "elapsed_s")}
+    (SWEEP_RESULTS / f"{name}.json").write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -27,21 +27,32 @@ def run_suite(tmp_path, names, *options):
     return result, json.loads(results.read_text())["tests"]
 
 
+# The whole suite's documented allowance (docs/conformance.md): test_ddp_uneven_inputs may end in
+# an error at the suite's own 400 s limit, set for GPU kernels; it passes given --timeout-scale 12.
+ALLOWED_ERRORS = {"test_ddp_uneven_inputs"}
+# docs/conformance.md, MI350X world size 2, default session: 143 passed and that one error.
+DOCUMENTED_RAN = 144
+
+
+def outcomes_other_than(tests: dict, *kinds: str) -> dict:
+    return {name: t for name, t in tests.items() if t["outcome"] not in kinds}
+
+
 # The same subset without the session daemon (--in-process) is the slow run's (3.5 minutes on CI's 2
 # cores; MIRAGE_SLOW_TESTS=1), keeping the default suite near 20 minutes.
 @pytest.mark.parametrize("mode", [pytest.param([], id="session"),
                                   pytest.param(["--in-process"], id="in-process", marks=pytest.mark.slow)])
 def test_a_subset_of_pytorchs_distributed_suite_passes_on_emulated_nccl(tmp_path, mode):
     result, tests = run_suite(tmp_path, SUBSET, *mode)
-    broken = {name: t for name, t in tests.items() if t["outcome"] in ("failed", "error")}
-    assert not broken, broken
+    # -k selects by substring: a few neighbours (test_all_reduce_sum_cuda_async, ...) run too.
+    assert outcomes_other_than(tests, "passed", "skipped") == {}, tests
+    assert {name for name in SUBSET if tests.get(name, {}).get("outcome") == "passed"} == set(SUBSET), tests
     assert result.returncode == 0, result.stderr[-3000:]
-    ran = [name for name, t in tests.items() if t["outcome"] == "passed"]
-    assert len(ran) >= len(SUBSET) - 2, tests  # (a test may skip itself for a ROCm build)
 
 
 @pytest.mark.skipif(os.environ.get("MIRAGE_CONFORMANCE") != "1", reason="the whole suite: MIRAGE_CONFORMANCE=1")
-def test_the_whole_distributed_suite_has_no_failures(tmp_path):
+def test_the_whole_distributed_suite_has_only_the_documented_error(tmp_path):
     result, tests = run_suite(tmp_path, [])
-    broken = {name: t for name, t in tests.items() if t["outcome"] in ("failed", "error")}
-    assert not broken, broken
+    broken = outcomes_other_than(tests, "passed", "skipped")
+    assert set(broken) <= ALLOWED_ERRORS and all(t["outcome"] == "error" for t in broken.values()), broken
+    assert len(outcomes_other_than(tests, "skipped")) == DOCUMENTED_RAN, tests

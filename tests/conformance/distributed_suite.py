@@ -8,7 +8,8 @@ Run it inside a session, e.g.
         --backend nccl --world-size 2 --json results.json [-k PATTERN ...]
 
 It prints unittest's report and, with --json, writes every test's outcome (passed, failed, error,
-skipped, with the reason) for docs/conformance.md. The spawned ranks import this file again
+skipped, expected_failure, unexpected_success, with the reason; not_run for a test that never
+reported) for docs/conformance.md. The spawned ranks import this file again
 (as __mp_main__); the environment the suite reads at import is set by then.
 """
 
@@ -19,16 +20,21 @@ import json
 import os
 import re
 import socket
+import subprocess
 import sys
 import tempfile
 import time
 import unittest
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _reserve_port() -> socket.socket:
+    """A port for the suite's TCPStore, held for the whole run: bound here with SO_REUSEADDR and
+    never listened on, it is not handed to anyone else who binds port 0, while the suite's rank 0
+    (its TCPStore sets SO_REUSEADDR too) can still bind and listen on it, test after test."""
+    held = socket.socket()
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    held.bind(("127.0.0.1", 0))
+    return held
 
 
 def _arguments() -> argparse.Namespace:
@@ -50,7 +56,9 @@ if __name__ == "__main__":
     _scratch = tempfile.mkdtemp(prefix="dist-suite-")
     open(os.path.join(_scratch, "barrier"), "w").close()
     os.environ.update(BACKEND=ARGS.backend, WORLD_SIZE=str(ARGS.world_size), TEMP_DIR=_scratch,
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                      MASTER_ADDR="127.0.0.1")
+    _PORT = _reserve_port()
+    os.environ["MASTER_PORT"] = str(_PORT.getsockname()[1])
     if ARGS.timeout_scale != 1.0:
         _default = int(os.environ.get("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "300"))
         os.environ["DISTRIBUTED_TESTS_DEFAULT_TIMEOUT"] = str(int(_default * ARGS.timeout_scale))
@@ -75,6 +83,48 @@ def _reason(trace: str) -> str:
     return errors[-1] if errors else lines[-1]
 
 
+class _Outcomes(unittest.TextTestResult):
+    """unittest's text result that also keeps every test's outcome by name: passed, failed, error,
+    skipped, expected_failure, unexpected_success (a test that never reports stays "not_run")."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.outcomes: dict[str, dict] = {}
+
+    def _record(self, test, outcome: str, reason: str | None = None) -> None:
+        self.outcomes[test._testMethodName] = {"outcome": outcome, **({"reason": reason} if reason else {})}
+
+    def addSuccess(self, test):
+        super().addSuccess(test)
+        self._record(test, "passed")
+
+    def addFailure(self, test, err):
+        super().addFailure(test, err)
+        self._record(test, "failed", _reason(self.failures[-1][1]))
+
+    def addError(self, test, err):
+        super().addError(test, err)
+        self._record(test, "error", _reason(self.errors[-1][1]))
+
+    def addSkip(self, test, reason):
+        super().addSkip(test, reason)
+        self._record(test, "skipped", reason)
+
+    def addExpectedFailure(self, test, err):
+        super().addExpectedFailure(test, err)
+        self._record(test, "expected_failure", _reason(self.expectedFailures[-1][1]))
+
+    def addUnexpectedSuccess(self, test):
+        super().addUnexpectedSuccess(test)
+        self._record(test, "unexpected_success")
+
+
+def _commit() -> str:
+    """The mirage commit the run tested (report.py requires it in the JSON's file name)."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
 def _run(args: argparse.Namespace) -> int:
     for name, seconds in common_distributed.TIMEOUT_OVERRIDE.items():
         common_distributed.TIMEOUT_OVERRIDE[name] = int(seconds * args.timeout_scale)
@@ -82,18 +132,15 @@ def _run(args: argparse.Namespace) -> int:
     if args.k:
         names = [n for n in names if any(k in n for k in args.k)]
     suite = unittest.TestSuite(TestDistBackendWithSpawn(n) for n in names)
+    commit = _commit()  # before the run: a checkout without git fails now, not after an hour
     started = time.monotonic()
-    result = unittest.TextTestRunner(verbosity=2, stream=sys.stdout).run(suite)
+    result = unittest.TextTestRunner(verbosity=2, stream=sys.stdout, resultclass=_Outcomes).run(suite)
     wall = time.monotonic() - started
     if args.json:
-        outcomes = {n: {"outcome": "passed"} for n in names}
-        for kind, entries in (("failed", result.failures), ("error", result.errors)):
-            for test, trace in entries:
-                outcomes[test._testMethodName] = {"outcome": kind, "reason": _reason(trace)}
-        for test, reason in result.skipped:
-            outcomes[test._testMethodName] = {"outcome": "skipped", "reason": reason}
+        outcomes = {n: result.outcomes.get(n, {"outcome": "not_run"}) for n in names}
         with open(args.json, "w") as f:
             json.dump({"backend": args.backend, "world_size": args.world_size, "wall_s": round(wall, 1),
+                       "commit": commit,
                        "timeout_scale": args.timeout_scale,
                        "tests": outcomes}, f, indent=1, sort_keys=True)
     return 0 if result.wasSuccessful() else 1

@@ -138,6 +138,9 @@ def main() -> int:
         marked = known_on_a_gpu(module_info)
         modes = (True, False) if module_info.train_and_eval_differ else (True,)
         for training in modes:
+            # The inputs are random draws: seeded here, each module's samples are the same
+            # whatever ran before them (unseeded, a sample's values depended on the sweep's order).
+            torch.manual_seed(0)
             samples = module_info.module_inputs_func(module_info, device="cpu", dtype=torch.float32,
                                                      requires_grad=True, training=training)
             for index, sample in enumerate(samples):
