@@ -208,6 +208,13 @@ def _reclaimable() -> list[tuple[str, object]]:
         directory = runtime_root() / session_id
         if session_id in stale_ids or not directory.is_dir() or not _run_alive(directory):
             actions.append((f"remove {segment}", lambda t=segment: shared_table.remove(t)))
+    # a session cgroup whose removal failed (a process still exiting) while its folder went:
+    # found next to where this process would put one, removed once no process is in it
+    here = containment.session_cgroup("")
+    for cgroup in sorted(here.parent.glob(f"{here.name}*") if here is not None else []):
+        directory = runtime_root() / cgroup.name.removeprefix(here.name)
+        if cgroup.is_dir() and not directory.is_dir() and not containment.cgroup_members(cgroup):
+            actions.append((f"remove the cgroup {cgroup}", lambda c=cgroup: containment.remove_cgroup(c)))
     return actions
 
 
