@@ -91,10 +91,20 @@ def test_sigkill_of_mirage_leaves_no_container_process_or_shm_folder():
     assert left == []
 
 
-def test_a_missing_image_is_refused_before_anything_starts():
-    if not HAS_PODMAN or os.geteuid() != 0:
-        pytest.skip("needs root and podman (the missing-podman refusal is tested instead)")
-    result = mirage("run", "--image", "localhost/no-such-image:0", "--", "true")
+def test_a_missing_image_is_refused_before_anything_starts(tmp_path):
+    """Where podman is not installed (this machine, CI), a `podman` on PATH that answers `podman
+    image exists` with 1 (what podman answers for an image it does not hold, podman-image-exists(1))
+    and fails anything else stands in for it: the refusal must come from that answer alone."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (the needs-root refusal is tested instead)")
+    env = None
+    if not HAS_PODMAN:
+        fake = tmp_path / "bin" / "podman"
+        fake.parent.mkdir()
+        fake.write_text('#!/bin/sh\n[ "$1 $2" = "image exists" ] && exit 1\necho "not podman: $*" >&2\nexit 125\n')
+        fake.chmod(0o755)
+        env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    result = mirage("run", "--image", "localhost/no-such-image:0", "--", "true", env=env)
     assert result.returncode == 2
     assert "no image 'localhost/no-such-image:0'" in result.stderr and "scripts/podman_image.sh" in result.stderr
     assert "session" not in result.stderr

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from escapees import WatchedCgroup
 from mirage import launcher
 
 SEED = 20
@@ -36,8 +37,8 @@ def moments(rng: random.Random) -> list[tuple[str, float]]:
 
 
 def session_pids(session: str) -> list[int]:
-    """Live processes of the session (MIRAGE_SESSION in their environment) and its reaper (the
-    session in its command line)."""
+    """Live processes of the session by mirage's own marks: MIRAGE_SESSION in their environment,
+    or the session in their command line (its reaper)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
@@ -58,13 +59,32 @@ def run_of(directory: Path) -> str | None:
         return None
 
 
-def leftovers(session: str | None, run_pid: int) -> list:
-    """What the killed run's session left: processes, /dev/shm entries, its folder (found by name
-    or, for a run killed before it announced its session, by the run.pid naming it)."""
+def session_at_kill(lines: list[str], run_pid: int, watched: WatchedCgroup) -> str | None:
+    """The run's session, read before the kill: from its "mirage: session" line, else from the
+    folder whose run.pid names the run, else from its reaper's command line (the reaper starts
+    before the folder exists). None only if the run had not yet chosen one."""
+    announced = next((line.split()[2] for line in lines if line.startswith("mirage: session ")), None)
+    folders = [d.name for d in launcher.runtime_root().iterdir() if run_of(d) == str(run_pid)]
+    reapers = []
+    for pid in watched.processes():
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(b"reap_after_run" in arg for arg in argv):
+            reapers.append(Path(argv[-2].decode()).name)
+    return announced or next(iter(folders + reapers), None)
+
+
+def leftovers(session: str | None, run_pid: int, watched: WatchedCgroup) -> list:
+    """What the killed run's session left: every process under the test's cgroup (however it was
+    started: tests/escapees.py) or marked with the session, its /dev/shm entries, its folder
+    (by name or by the run.pid naming the run)."""
     root = launcher.runtime_root()
     found: list = [d for d in root.iterdir() if run_of(d) == str(run_pid) or d.name == session]
+    found += sorted(set(watched.processes()) | set(session_pids(session) if session else []))
     if session:
-        found += session_pids(session) + list(Path("/dev/shm").glob(f"mirage-{os.getuid()}-{session}*"))
+        found += list(Path("/dev/shm").glob(f"mirage-{os.getuid()}-{session}*"))
     return found
 
 
@@ -72,8 +92,10 @@ def test_sigkill_of_mirage_run_at_random_moments_leaves_nothing():
     rng = random.Random(SEED)
     report = []
     for start_from, delay in moments(rng):
+        watched = WatchedCgroup()
         proc = subprocess.Popen([sys.executable, "-m", "mirage", "run", *COMMAND], cwd=REPO,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=watched.enter)
         started = time.monotonic()
         lines: list[str] = []
         training = threading.Event()
@@ -90,20 +112,21 @@ def test_sigkill_of_mirage_run_at_random_moments_leaves_nothing():
             if start_from == "training":
                 assert training.wait(120), "the ranks never formed their communicator:\n" + "".join(lines[-30:])
             time.sleep(max(0.0, delay - (time.monotonic() - started)) if start_from == "start" else delay)
-            session = next((line.split()[2] for line in lines if line.startswith("mirage: session ")), None)
-            at_kill = len(session_pids(session)) if session else 0
+            session = session_at_kill(lines, proc.pid, watched)
+            at_kill = len(watched.processes() or (session_pids(session) if session else []))
             phase = "training" if training.is_set() else "start-up"
             killed_at = time.monotonic() - started
             proc.send_signal(signal.SIGKILL)
             assert proc.wait() == -signal.SIGKILL
             deadline = time.monotonic() + DRAIN_SECONDS
-            while (left := leftovers(session, proc.pid)) and time.monotonic() < deadline:
+            while (left := leftovers(session, proc.pid, watched)) and time.monotonic() < deadline:
                 time.sleep(0.1)
             drained = time.monotonic() - started - killed_at
         finally:
             if proc.poll() is None:  # a failed round: its run is still up
                 proc.kill()
                 proc.wait()
+            watched.remove()
         reader.join(timeout=5)
         report.append(f"killed at {killed_at:5.2f} s ({start_from} + {delay:.2f} s, "
                       f"{phase}, {at_kill} processes with its reaper): "

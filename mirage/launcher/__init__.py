@@ -29,7 +29,7 @@ from mirage.launcher import capacity, environment
 from mirage.daemon import shared_table
 from mirage.daemon.flight_recorder import FlightRecorder
 from mirage.daemon.service import SessionService
-from mirage.launcher import cluster as clusters, containers, faults as fault_specs, nodes, summary, timing_report
+from mirage.launcher import cluster as clusters, containers, containment, faults as fault_specs, nodes, summary, timing_report
 from mirage.launcher.supervisor import Supervisor, start_reaper, stdin_has_input, write_or_discard
 from mirage.runtime import visible_devices
 from mirage.shim import build as shim_build
@@ -383,6 +383,7 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
     supervisor.arm_signals()
     session_dir.mkdir(mode=0o700)
     record_run(session_dir)
+    cgroup = containment.enter_session_cgroup(session_id, session_dir)  # before anything starts
     service: SessionService | None = None
     exit_code = 1
     started = time.time()
@@ -548,6 +549,7 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
             containers.remove_containers(session_dir)
         if namespaces is not None:
             namespaces.close()
+        supervisor.kill_the_rest(cgroup)
         timing = _finish_timing(request, profile, session_dir / "timing")
         if service is not None:
             service.stop()

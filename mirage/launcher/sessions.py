@@ -25,7 +25,7 @@ from pathlib import Path
 from mirage.daemon import shared_table
 from mirage.daemon.protocol import SOCKET_NAME
 from mirage.daemon.service import request
-from mirage.launcher import RUN_PID_NAME, containers, nodes, process_start_time, runtime_root
+from mirage.launcher import RUN_PID_NAME, containers, containment, nodes, process_start_time, runtime_root
 from mirage.launcher.supervisor import session_processes
 from mirage.shim.build import cache_root
 
@@ -157,7 +157,6 @@ def stale_sessions() -> list[Path]:
 
 
 REAPER_GRACE_SECONDS = 2.0  # for the session's processes to exit on their own ("mirage daemon died")
-REAPER_KILL_SECONDS = 10.0  # for those it killed to be gone
 
 
 def reap_after_run(session_dir: Path) -> None:
@@ -169,17 +168,16 @@ def reap_after_run(session_dir: Path) -> None:
     while os.read(0, 4096):
         pass
     session_id = session_dir.name
+    cgroup = containment.session_cgroup(session_id)  # the run's, if it could make it
+
+    def remaining() -> list[int]:
+        return sorted(set(session_processes(session_id) + containment.cgroup_members(cgroup)))
+
     grace = time.monotonic() + REAPER_GRACE_SECONDS
-    while session_processes(session_id) and time.monotonic() < grace:
+    while remaining() and time.monotonic() < grace:
         time.sleep(0.1)
-    deadline = time.monotonic() + REAPER_KILL_SECONDS
-    while (stranded := session_processes(session_id)) and time.monotonic() < deadline:
-        for pid in stranded:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.1)
+    containment.kill_until_gone(remaining)
+    containment.remove_cgroup(cgroup)
     containers.remove_containers(session_dir)  # --image: what podman still lists of the session
     shutil.rmtree(session_dir, ignore_errors=True)
     for segment in shared_table.segments(session_id):
@@ -194,9 +192,12 @@ def _reclaimable() -> list[tuple[str, object]]:
     actions: list[tuple[str, object]] = []
     stale_ids = {d.name for d in stale_sessions()}
     for session_id in sorted(stale_ids):
-        for pid in session_processes(session_id):
-            actions.append((f"kill process {pid} (session {session_id})", lambda pid=pid: os.kill(pid, signal.SIGKILL)))
         directory = runtime_root() / session_id
+        cgroup = containment.recorded_cgroup(directory)
+        for pid in sorted(set(session_processes(session_id) + containment.cgroup_members(cgroup))):
+            actions.append((f"kill process {pid} (session {session_id})", lambda pid=pid: os.kill(pid, signal.SIGKILL)))
+        if cgroup is not None:
+            actions.append((f"remove the cgroup {cgroup}", lambda c=cgroup: containment.remove_cgroup(c)))
         if (directory / containers.CONTAINERS_FILE).exists():
             actions.append((f"remove the containers of session {session_id} (podman rm -f)",
                             lambda d=directory: containers.remove_containers(d)))
@@ -207,6 +208,13 @@ def _reclaimable() -> list[tuple[str, object]]:
         directory = runtime_root() / session_id
         if session_id in stale_ids or not directory.is_dir() or not _run_alive(directory):
             actions.append((f"remove {segment}", lambda t=segment: shared_table.remove(t)))
+    # a session cgroup whose removal failed (a process still exiting) while its folder went:
+    # found next to where this process would put one, removed once no process is in it
+    here = containment.session_cgroup("")
+    for cgroup in sorted(here.parent.glob(f"{here.name}*") if here is not None else []):
+        directory = runtime_root() / cgroup.name.removeprefix(here.name)
+        if cgroup.is_dir() and not directory.is_dir() and not containment.cgroup_members(cgroup):
+            actions.append((f"remove the cgroup {cgroup}", lambda c=cgroup: containment.remove_cgroup(c)))
     return actions
 
 

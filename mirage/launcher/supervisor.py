@@ -3,7 +3,8 @@
 Each workload process leads its own process group, so a signal reaches everything it started
 (torchrun workers, multiprocessing children) with one killpg. mirage also becomes a child
 subreaper: anything that escapes its group (setsid, double fork) is re-parented to mirage
-and is found at teardown by the MIRAGE_SESSION it carries in its environment.
+and is found at teardown as its descendant, or in the session's cgroup (containment), whatever
+its environment says.
 
 The interrupt ladder (SIGINT, SIGTERM and SIGHUP all count toward it):
   1st: forwarded to the workload as the signal that arrived;
@@ -25,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from mirage.launcher import containment
 
 TERMINATE_GRACE_SECONDS = 5.0
 LINE_LIMIT = 1 << 20  # a line with no newline is flushed at 1 MiB
@@ -184,6 +187,13 @@ class Supervisor:
         for child in self.children:
             if child.returncode is None:
                 child.wait()
+        _reap_adopted()
+
+    def kill_the_rest(self, cgroup: Path | None) -> None:
+        """The end of teardown, once the fork server and the node holders are stopped: kills what
+        is still running of the session however it hid (an empty environment, `setsid`): the
+        session cgroup's processes and this process's descendants (containment)."""
+        containment.kill_until_gone(lambda: containment.descendants(os.getpid()) + containment.cgroup_members(cgroup))
         _reap_adopted()
 
     def _hand_terminal_to(self, pgid: int) -> None:

@@ -20,12 +20,31 @@ import sys
 WORLD = 3
 
 
-def rank_main(rank: int, how: str, dead: int, port: int) -> None:
+def _store(rank: int, published: str):
+    """The job's TCPStore: rank 0 binds port 0 (the kernel picks a free one, no check-then-use race)
+    and publishes the port in `published` (written whole, by rename); the others wait for it."""
+    import time
+
+    import torch.distributed as dist
+
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, WORLD, True, wait_for_workers=False)
+        with open(published + ".partial", "w") as out:
+            out.write(str(store.port))
+        os.rename(published + ".partial", published)
+        return store
+    while not os.path.exists(published):
+        time.sleep(0.01)
+    with open(published) as port:
+        return dist.TCPStore("127.0.0.1", int(port.read()), WORLD, False, wait_for_workers=False)
+
+
+def rank_main(rank: int, how: str, dead: int, published: str) -> None:
     import torch
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
-    store = dist.TCPStore("127.0.0.1", port, WORLD, rank == 0, wait_for_workers=False)
+    store = _store(rank, published)
     dist.init_process_group("nccl", store=store, rank=rank, world_size=WORLD, device_id=torch.device("cuda", rank))
     t = torch.ones(4, device="cuda")
     error = None
@@ -54,18 +73,16 @@ def rank_main(rank: int, how: str, dead: int, port: int) -> None:
 
 def main() -> None:
     import multiprocessing
-    import socket
+    import tempfile
 
     how, dead = sys.argv[1], int(sys.argv[2])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    published = os.path.join(tempfile.mkdtemp(), "store-port")  # TMPDIR: the session's private folder
     os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
     context = multiprocessing.get_context("spawn")
     ranks = []
     for rank in range(WORLD):
         os.environ["RANK"] = str(rank)  # what the shim reads for the rank's faults
-        ranks.append(context.Process(target=rank_main, args=(rank, how, dead, port)))
+        ranks.append(context.Process(target=rank_main, args=(rank, how, dead, published)))
         ranks[-1].start()
     for process in ranks:
         process.join()
