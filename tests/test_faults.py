@@ -117,8 +117,11 @@ def test_a_random_count_is_drawn_from_the_seed():
 
 def test_a_node_killed_after_a_time_loses_every_process_at_once_and_the_other_node_goes_on(tmp_path):
     summary = tmp_path / "summary.json"
-    # node 1 sleeps (a shell and two children) until the fault; node 0 outlives the kill and ends well
-    node_command = 'if [ "$MIRAGE_NODE_RANK" = 1 ]; then sleep 60 & sleep 60; wait; else sleep 6; echo node 0 done; fi'
+    lock, held = tmp_path / "lock", tmp_path / "held"
+    # node 1 (a shell and two children) holds a lock until the fault kills them all; node 0 waits for node 1
+    # to hold it, then for the lock itself (free only once every process of node 1 is gone), and ends well
+    node_command = (f'if [ "$MIRAGE_NODE_RANK" = 1 ]; then exec 9>{lock}; flock 9; touch {held}; sleep 60 & sleep 60; '
+                    f'wait; else while [ ! -e {held} ]; do sleep 0.1; done; flock {lock} echo node 0 done; fi')
     result = mirage("run", "--quiet", "--num-nodes", "2", "--gpus-per-node", "1", "--summary-json", str(summary),
                     "--fault", "kill-node:node=1:at=after:3s", "--", "sh", "-c", node_command, timeout=120)
     # as on a cluster, a node's failure does not stop the others: they find out for themselves
