@@ -299,15 +299,19 @@ def test_an_elastic_job_re_forms_its_world_without_a_node_that_failed(tmp_path):
     assert alone[-1] == 49 and alone[0] <= together[-1] + 1
 
 
-@pytest.mark.slow  # about 50 s: out of the default suite, kept near 20 minutes for CI
 def test_an_elastic_job_re_forms_its_world_with_a_node_that_rejoins(tmp_path):
-    # a node that joins late needs torch's rendezvous store unshared (torch 2.13's shared store never
-    # publishes the new round's MASTER_ADDR to it: the agents wait for the store's timeout, on any machine)
-    steps = elastic_run(tmp_path, "kill-node:node=1:at=after:12s:rejoin=4s", 100,
+    """A node that joins late needs torch's rendezvous store unshared: torch 2.13's shared store never
+    publishes the new round's worker ranks to it, so the agents wait for the store's timeout. That is
+    torch's need, not mirage's: tests/elastic_rejoin_control.py runs the same job with plain torchrun,
+    gloo on the CPU and no mirage (2026-12-04, CPU torch 2.13.0): with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    node 0 restarts once and trains to the end in a two-node world; without it node 0's agent fails 76 s
+    after the kill with `DistStoreError: wait timeout after 60000ms, keys: .../role_info/0, .../role_info/1`
+    (torch/distributed/elastic/agent/server/api.py, _assign_worker_ranks)."""
+    steps = elastic_run(tmp_path, "kill-node:node=1:at=after:10s:rejoin=4s", 60,
                         "--env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
     # node 0's worker failed with the node and was restarted; the rejoined node's agent starts from 0
     assert [s["restart"] for s in steps if s["node"] == 0][-1] == 1
     after = [s for s in steps if s["node"] == 0 and s["restart"] == 1]
     # the restarted world is two nodes again and trains to the end with both
-    assert after[-1] == {"step": 99, "world": 2, "node": 0, "restart": 1}
-    assert any(s["node"] == 1 and s["step"] == 99 for s in steps)
+    assert after[-1] == {"step": 59, "world": 2, "node": 0, "restart": 1}
+    assert any(s["node"] == 1 and s["step"] == 59 for s in steps)
