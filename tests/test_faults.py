@@ -187,6 +187,20 @@ def test_a_collective_on_a_lost_gpu_fails_as_nccls_unhandled_cuda_error():
             "[1] ncclUnhandledCudaError: Call to CUDA function failed.\n[1] Last error:\n[1] HIP failure 'unknown error'"
             ) in result.stderr
     assert result.returncode == 134
+    # with the watchdog's abort off (TORCH_NCCL_ASYNC_ERROR_HANDLING=0) the errors reach the program: rank 1
+    # exits 0 on its own ('survive'), so the launcher leaves its peer alone, and the peer, waiting in
+    # its all_reduce for rank 1, sees NCCL's remote error naming rank 1
+    result = mirage("run", "--quiet", "--gpus-per-node", "2", "--nproc-per-node", "2",
+                    "--env", "TORCH_NCCL_ASYNC_ERROR_HANDLING=0", "--fault", "lose-gpu:rank=1:at=collective:5", "--",
+                    "python", WORKLOAD, "survive", timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = {line["rank"]: line for line in map(json.loads, re.findall(r"\{[^{}]*\}", result.stdout))}
+    assert "ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\nHIP failure 'unknown error'" in \
+        seen[1]["message"]
+    assert seen[0]["error"] == "DistBackendError" and (
+        "NCCL error: remote process exited or there was a network error, NCCL version 2.26.6\nncclRemoteError: A call "
+        "failed possibly due to a network error or a remote process exiting prematurely.\nLast error:\nproxy: "
+        "connection closed by group rank 1") in seen[0]["message"]
 
 
 @pytest.mark.parametrize("how", ["shrink", "new-group"])
