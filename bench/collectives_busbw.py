@@ -33,6 +33,8 @@ import subprocess
 import sys
 import time
 
+from record import save  # bench/record.py: the figures beside the doc
+
 SIZES_MB = (1, 4, 16, 64, 256)
 # A round times back-to-back operations of at least this many bytes in all, as nccl-tests times a
 # loop of iterations: one small operation alone measures the ranks' skew leaving the barrier
@@ -150,7 +152,9 @@ def main() -> None:
     for r in rows:
         print(f"{r['collective']:>14} {r['ranks']:>5} {r['size_mb']:>5}MB {r['busbw_emulated_gbs']:>14.3f} "
               f"{r['busbw_gloo_gbs']:>10.3f} {r['ratio']:>6.3f} {r.get('limit_fraction', ''):>8}")
-    print(json.dumps({"busbw": rows, "min_ratio": min(r["ratio"] for r in rows)}))
+    figures = {"busbw": rows, "min_ratio": min(r["ratio"] for r in rows)}
+    print(json.dumps(figures))
+    save(figures)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ import threading
 import time
 from pathlib import Path
 
+from record import save  # bench/record.py: the figures beside the doc
+
 REPO = Path(__file__).resolve().parent.parent
 # Each rank: its first collective, then its own unique memory; with BUSBW_MB, all_reduce bus
 # bandwidth over a tensor of that many MiB.
@@ -227,6 +229,7 @@ def main() -> None:
                     figures[name][f"256_ranks_{workload}"] = measured(f"{name} 256 ranks {workload}", big_case,
                                                                       server, workload)
     print(json.dumps(figures))
+    save(figures)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from record import save  # bench/record.py: the figures beside the doc
+
 REPO = Path(__file__).resolve().parent.parent
 
 # name: (description, target for emulated/native by thread setting)
@@ -389,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'':<10} {'':>7} timed (--timing) {timed['median_ms']:.2f} ms: {timed['ratio']:.3f} x the untimed "
                   f"emulated step (target {TIMED_TARGET}) {verdict(timed)}")
     print("JSON " + json.dumps(info))
+    save(info)
     return 0 if all(s["ok"] is not False for r in results for s in r["sides"].values()) else 3
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,7 @@ def test_an_injected_oom_is_the_caching_allocators_error_on_that_allocation():
 
 def test_a_killed_rank_is_restarted_by_torchrun_and_the_fault_fires_once(tmp_path):
     summary = tmp_path / "summary.json"
+    before = time.time()  # the session starts after this
     result = mirage("run", "--quiet", "--gpus-per-node", "2", "--summary-json", str(summary),
                     "--fault", "kill:rank=1:at=collective:5", "--",
                     "torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=1", WORKLOAD, "collect",
@@ -75,8 +77,12 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_the_fault_fires_once(tmp_pat
     report = json.loads(summary.read_text())
     [fault] = report["faults"]
     assert fault["fired"] and fault["kind"] == "kill" and fault["rank"] == 1 and fault["at_s"] > 0
-    # the restart, and the downtime from the kill to the restarted workers' start
-    assert report["fault_effects"]["restarts"] == 1 and report["fault_effects"]["downtime_s"] > 0
+    # the restart, and the downtime from the kill to the restarted workers' start: the kill came at_s after
+    # the session started (so not before `before` + at_s), the restarted workers started before their work
+    # began, so the downtime is at most the span between those two times the test can see
+    restarted_began = min(r["began"] for r in finished)
+    assert report["fault_effects"]["restarts"] == 1
+    assert 0 < report["fault_effects"]["downtime_s"] <= restarted_began - (before + fault["at_s"])
     assert leftovers(report["session"]) == []
 
 
@@ -111,8 +117,11 @@ def test_a_random_count_is_drawn_from_the_seed():
 
 def test_a_node_killed_after_a_time_loses_every_process_at_once_and_the_other_node_goes_on(tmp_path):
     summary = tmp_path / "summary.json"
-    # node 1 sleeps (a shell and two children) until the fault; node 0 outlives the kill and ends well
-    node_command = 'if [ "$MIRAGE_NODE_RANK" = 1 ]; then sleep 60 & sleep 60; wait; else sleep 6; echo node 0 done; fi'
+    lock, held = tmp_path / "lock", tmp_path / "held"
+    # node 1 (a shell and two children) holds a lock until the fault kills them all; node 0 waits for node 1
+    # to hold it, then for the lock itself (free only once every process of node 1 is gone), and ends well
+    node_command = (f'if [ "$MIRAGE_NODE_RANK" = 1 ]; then exec 9>{lock}; flock 9; touch {held}; sleep 60 & sleep 60; '
+                    f'wait; else while [ ! -e {held} ]; do sleep 0.1; done; flock {lock} echo node 0 done; fi')
     result = mirage("run", "--quiet", "--num-nodes", "2", "--gpus-per-node", "1", "--summary-json", str(summary),
                     "--fault", "kill-node:node=1:at=after:3s", "--", "sh", "-c", node_command, timeout=120)
     # as on a cluster, a node's failure does not stop the others: they find out for themselves
@@ -178,6 +187,20 @@ def test_a_collective_on_a_lost_gpu_fails_as_nccls_unhandled_cuda_error():
             "[1] ncclUnhandledCudaError: Call to CUDA function failed.\n[1] Last error:\n[1] HIP failure 'unknown error'"
             ) in result.stderr
     assert result.returncode == 134
+    # with the watchdog's abort off (TORCH_NCCL_ASYNC_ERROR_HANDLING=0) the errors reach the program: rank 1
+    # exits 0 on its own ('survive'), so the launcher leaves its peer alone, and the peer, waiting in
+    # its all_reduce for rank 1, sees NCCL's remote error naming rank 1
+    result = mirage("run", "--quiet", "--gpus-per-node", "2", "--nproc-per-node", "2",
+                    "--env", "TORCH_NCCL_ASYNC_ERROR_HANDLING=0", "--fault", "lose-gpu:rank=1:at=collective:5", "--",
+                    "python", WORKLOAD, "survive", timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = {line["rank"]: line for line in map(json.loads, re.findall(r"\{[^{}]*\}", result.stdout))}
+    assert "ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\nHIP failure 'unknown error'" in \
+        seen[1]["message"]
+    assert seen[0]["error"] == "DistBackendError" and (
+        "NCCL error: remote process exited or there was a network error, NCCL version 2.26.6\nncclRemoteError: A call "
+        "failed possibly due to a network error or a remote process exiting prematurely.\nLast error:\nproxy: "
+        "connection closed by group rank 1") in seen[0]["message"]
 
 
 @pytest.mark.parametrize("how", ["shrink", "new-group"])
@@ -290,15 +313,19 @@ def test_an_elastic_job_re_forms_its_world_without_a_node_that_failed(tmp_path):
     assert alone[-1] == 49 and alone[0] <= together[-1] + 1
 
 
-@pytest.mark.slow  # about 50 s: out of the default suite, kept near 20 minutes for CI
 def test_an_elastic_job_re_forms_its_world_with_a_node_that_rejoins(tmp_path):
-    # a node that joins late needs torch's rendezvous store unshared (torch 2.13's shared store never
-    # publishes the new round's MASTER_ADDR to it: the agents wait for the store's timeout, on any machine)
-    steps = elastic_run(tmp_path, "kill-node:node=1:at=after:12s:rejoin=4s", 100,
+    """A node that joins late needs torch's rendezvous store unshared: torch 2.13's shared store never
+    publishes the new round's worker ranks to it, so the agents wait for the store's timeout. That is
+    torch's need, not mirage's: tests/elastic_rejoin_control.py runs the same job with plain torchrun,
+    gloo on the CPU and no mirage (2026-12-04, CPU torch 2.13.0): with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    node 0 restarts once and trains to the end in a two-node world; without it node 0's agent fails 76 s
+    after the kill with `DistStoreError: wait timeout after 60000ms, keys: .../role_info/0, .../role_info/1`
+    (torch/distributed/elastic/agent/server/api.py, _assign_worker_ranks)."""
+    steps = elastic_run(tmp_path, "kill-node:node=1:at=after:10s:rejoin=4s", 60,
                         "--env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
     # node 0's worker failed with the node and was restarted; the rejoined node's agent starts from 0
     assert [s["restart"] for s in steps if s["node"] == 0][-1] == 1
     after = [s for s in steps if s["node"] == 0 and s["restart"] == 1]
     # the restarted world is two nodes again and trains to the end with both
-    assert after[-1] == {"step": 99, "world": 2, "node": 0, "restart": 1}
-    assert any(s["node"] == 1 and s["step"] == 99 for s in steps)
+    assert after[-1] == {"step": 59, "world": 2, "node": 0, "restart": 1}
+    assert any(s["node"] == 1 and s["step"] == 59 for s in steps)

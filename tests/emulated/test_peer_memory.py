@@ -6,6 +6,7 @@ import ctypes
 import os
 import subprocess
 import sys
+import traceback
 
 import torch
 
@@ -83,11 +84,13 @@ def test_a_forked_child_leaves_its_parents_device_memory_alone():
     block = torch.full((64 * MiB // 4,), 3.0, device=DEVICE)
     pid = os.fork()
     if pid == 0:
-        code = 0
+        code = 1  # what the child exits with unless its check ran to the end: an exception fails the test
         try:
             del block  # the child's reference: its deleter runs here, in the child
             fresh = torch.empty(2 * MiB, dtype=torch.uint8, device=DEVICE)
             code = 3 if in_arena(fresh, shared_arena()) or shared_arena().capacity else 0
+        except BaseException:
+            traceback.print_exc()
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)

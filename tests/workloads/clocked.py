@@ -13,7 +13,7 @@ MODE = sys.argv[1]
 
 def gemm() -> None:
     """A bf16 GEMM timed with CUDA events, as a benchmark script times it."""
-    n = int(os.environ.get("N", "1024"))  # small: bf16 GEMMs are slow on CPUs without AVX512-BF16
+    n = int(os.environ.get("N", "1024"))  # larger ones under --predict-only: bf16 GEMMs are slow on CPUs without AVX512-BF16
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -1,7 +1,8 @@
 """Workloads for tests/test_faults.py, run under `mirage run --fault ...`. MODE selects one.
 
     oom        allocates device tensors until the injected OOM; prints what torch raised
-    collect    N all_reduces over NCCL under torchrun, each rank printing its restart count
+    collect    N all_reduces over NCCL under torchrun, each rank printing its restart count and
+               when (time.time()) its work began
     stall      2 ranks with a 3 s NCCL timeout; rank 1 is stalled by the fault, rank 0 prints
                the error its collective ended with
     train      2 ranks of a DDP step loop; each rank prints what its steps raised (a lost GPU's
@@ -14,6 +15,7 @@ import datetime
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -32,13 +34,14 @@ def oom() -> None:
 def collect() -> None:
     import torch.distributed as dist
 
+    began = time.time()
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     t = torch.ones(4, device="cuda")
     for _ in range(10):
         dist.all_reduce(t)
     print(json.dumps({"rank": dist.get_rank(), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-                      "sum": t[0].item()}), flush=True)
+                      "sum": t[0].item(), "began": began}), flush=True)
     dist.destroy_process_group()
 
 
