@@ -113,7 +113,10 @@ SLOW = pytest.mark.slow  # about 25 s each on 2 cores; MIRAGE_SLOW_TESTS=1 runs 
                   "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], marks=SLOW, id="pp-interleaved"),
     pytest.param(["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "2"],
                  marks=SLOW, id="cp"),
-    pytest.param(["--compile.enable", "--activation_checkpoint.mode", "selective"], id="compile-selective-ac"),
+    # about 55 s: slow; compiled activation checkpointing's recomputation is in the default suite
+    # as tests/emulated/test_compile.py::test_compiled_activation_checkpointing_replays_the_generator_around_attention
+    pytest.param(["--compile.enable", "--activation_checkpoint.mode", "selective"], marks=SLOW,
+                 id="compile-selective-ac"),
     pytest.param(["--activation_checkpoint.mode", "full"], marks=SLOW, id="full-ac"),
 ])
 def test_the_debug_model_trains(assets, torchtitan_path, triton_path, flags, tmp_path):
