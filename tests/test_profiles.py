@@ -7,7 +7,7 @@ import pytest
 from conftest import mirage
 from mirage import profiles
 
-EXPECTED = {"mi300x", "mi325x", "mi350x", "mi355x", "mi250x", "h100", "h200", "a100", "b200"}
+EXPECTED = {"mi300x", "mi325x", "mi350x", "mi355x", "mi250x", "h100", "h200", "a100", "b200", "h100-96gb"}
 
 
 def test_every_shipped_profile_loads_with_design_figures():
@@ -18,6 +18,13 @@ def test_every_shipped_profile_loads_with_design_figures():
     assert loaded["mi300x"].peak_tflops["bf16"] == 1307.4
     assert loaded["h100"].compute_capability == (9, 0) and loaded["h100"].vendor == "nvidia"
     assert loaded["b200"].link_bandwidth_gbs == 1800
+    # torchtitan's Grand Teton H100: the h100's chip with 96 GB HBM2e at 2.4 TB/s and 500 W, its
+    # bf16 peak between the SXM's and the NVL's datasheet figures
+    grand_teton = loaded["h100-96gb"]
+    assert (grand_teton.memory_bandwidth_gbs, grand_teton.board_power_watts) == (2400, 500)
+    assert grand_teton.compute_units == loaded["h100"].compute_units
+    assert 835.5 < grand_teton.peak_tflops["bf16"] < loaded["h100"].peak_tflops["bf16"]
+    assert 95 < grand_teton.memory_bytes / 2**30 < 96
     assert all(p.gpus_per_node == 8 for p in loaded.values())
 
 
