@@ -1,4 +1,4 @@
-"""The device shim's build: cached per source/torch/Python, and robust to a killed build."""
+"""The device shim's build: cached per source, torch binary and Python, and robust to a killed build."""
 
 import os
 import subprocess
@@ -21,29 +21,48 @@ def test_a_stale_lock_from_a_killed_build_does_not_hang_the_next(tmp_path):
     assert result.stdout.strip() == where and os.path.exists(where)
 
 
-def test_two_environments_with_the_same_torch_version_get_their_own_builds(tmp_path):
-    """The built libraries link to one installation's libtorch: a second environment (here a
-    virtual environment holding the same torch release) must not reuse the first one's."""
+def _environment_with_this_torch(root: Path, record_edit=None) -> Path:
+    """A virtual environment holding this torch release: its metadata copied (RECORD edited by
+    `record_edit` if given) and its package hard-linked, so it is a second installation of the
+    same files at another path; everything else it imports comes from this environment."""
     import importlib.metadata
     import shutil
+    import site as site_module
 
     metadata = next(f for f in importlib.metadata.distribution("torch").files if f.name == "METADATA")
     dist_info = Path(metadata.locate()).parent
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "env")], check=True)
-    site = next((tmp_path / "env" / "lib").glob("python*/site-packages"))
-    shutil.copytree(dist_info, site / dist_info.name)  # the release's metadata: version and files
-    (site / "torch").mkdir()
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    site = next((root / "lib").glob("python*/site-packages"))
+    shutil.copytree(dist_info, site / dist_info.name)
+    if record_edit:
+        record = site / dist_info.name / "RECORD"
+        record.write_text(record_edit(record.read_text()))
+    subprocess.run(["cp", "-al", str(dist_info.parent / "torch"), str(site / "torch")], check=True)
+    (site / "this-environment.pth").write_text("\n".join(site_module.getsitepackages()) + "\n")
+    return root / "bin" / "python"
+
+
+def test_environments_holding_the_same_torch_wheel_share_one_build_and_each_maps_its_own_torch(tmp_path):
+    """The native parts are keyed by torch's binaries (the wheel's RECORD hashes), not its path, so
+    a second environment with the same wheel (the tutorial's .venv-mi350 beside .venv) does not
+    build again; and since they carry no rpath, a workload in the second environment maps that
+    environment's libtorch, not the first's. A different libtorch binary gets a build of its own."""
     paths = "from mirage.shim import build; print(build.library_path()); print(build.nccl_module_path())"
-    mine = subprocess.run([sys.executable, "-c", paths], cwd=REPO, capture_output=True, text=True, check=True)
-    other = subprocess.run([str(tmp_path / "env" / "bin" / "python"), "-c", paths], cwd=REPO, capture_output=True,
-                           text=True, check=True)
-    assert mine.stdout.splitlines()[0] != other.stdout.splitlines()[0]
-    assert mine.stdout.splitlines()[1] != other.stdout.splitlines()[1]
-    # and this environment's build (cached: built once per source and torch) loads this environment's
-    # libtorch, which is why another environment may not share it
-    built = subprocess.run([sys.executable, "-m", "mirage.shim.build"], cwd=REPO, capture_output=True, text=True,
-                           timeout=1800, check=True).stdout.strip()
-    assert built == mine.stdout.splitlines()[0]
-    torch_lib = Path(metadata.locate()).parent.parent / "torch" / "lib"
-    linked = subprocess.run(["ldd", built], capture_output=True, text=True, check=True).stdout
-    assert f"libc10.so => {torch_lib}/libc10.so" in linked, linked
+    same = _environment_with_this_torch(tmp_path / "same")
+    other = _environment_with_this_torch(
+        tmp_path / "other", lambda text: text.replace("torch/lib/libtorch_cpu.so,sha256=", "torch/lib/libtorch_cpu.so,sha256=X"))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    mine = subprocess.run([sys.executable, "-c", paths], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert subprocess.run([str(same), "-c", paths], env=env, capture_output=True, text=True, check=True).stdout == mine
+    differs = subprocess.run([str(other), "-c", paths], env=env, capture_output=True, text=True, check=True).stdout
+    assert all(a != b for a, b in zip(mine.splitlines(), differs.splitlines()))
+
+    maps = ("import torch; torch.ones(1, device='cuda'); "
+            "print([m.split()[-1] for m in open('/proc/self/maps') if m.rstrip().endswith(('libc10.so', 'mirage_shim.so'))])")
+    result = subprocess.run([sys.executable, "-m", "mirage", "run", "--quiet", "--", str(same), "-c", maps],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    mapped = eval(result.stdout.strip().splitlines()[-1])
+    assert f"{tmp_path}/same/lib/" in next(m for m in mapped if m.endswith("libc10.so")), mapped
+    assert next(m for m in mapped if m.endswith("mirage_shim.so")) == mine.splitlines()[0], mapped
+    assert not any("/.venv/" in m for m in mapped), mapped  # nothing of the first environment's torch

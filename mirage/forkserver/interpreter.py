@@ -32,9 +32,11 @@ _OPTIONS_WITH_VALUE = "WX"  # -W arg, -X arg
 
 
 def identity() -> dict:
-    """This interpreter and the options it was started with, as a hand-over compares them."""
+    """This interpreter and the options it was started with, as a hand-over compares them. The
+    prefix too: every virtual environment's python resolves to the same executable, but the
+    server's imports (torch) come from its own environment's packages."""
     return {
-        "executable": os.path.realpath(sys.executable), "version": sys.version,
+        "executable": os.path.realpath(sys.executable), "prefix": sys.prefix, "version": sys.version,
         "flags": {name: getattr(sys.flags, name) for name in dir(sys.flags) if not name.startswith(("_", "n_"))
                   and not callable(getattr(sys.flags, name))},
         "xoptions": sys._xoptions, "warnoptions": sys.warnoptions,
@@ -44,9 +46,9 @@ def identity() -> dict:
 
 def compatible(server: dict, process: dict) -> bool:
     """Whether a process of interpreter `process` (identity()) can be forked from a server of
-    interpreter `server`: the same interpreter, started with the same options but those the
+    interpreter `server`: the same interpreter and environment, started with the same options but those the
     child can take on (ADJUSTABLE_FLAGS), and the same hash seed."""
-    if any(process.get(key) != server[key] for key in ("executable", "version", "xoptions", "warnoptions",
+    if any(process.get(key) != server[key] for key in ("executable", "prefix", "version", "xoptions", "warnoptions",
                                                        "hash_seed")):
         return False
     flags = process.get("flags") or {}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import os
 import sys
 from types import ModuleType
@@ -37,6 +38,16 @@ def _export_for_shim() -> None:
         os.environ["MIRAGE_TIMING_MODEL"] = profiles.timing_model(profile, profiles.load_tuning(tuning) if tuning else None)
 
 
+def _load_shim(torch_dir: str) -> None:
+    """Maps this process's own torch libraries, then the shim that links to them. The shim (cached
+    per torch binary, shared by environments holding the same wheel) carries no path to a torch
+    installation: the loader matches its libc10/libtorch_cpu to the ones already mapped by name,
+    and `import torch` then finds the same files mapped."""
+    for library in ("libc10.so", "libtorch_cpu.so"):
+        ctypes.CDLL(os.path.join(torch_dir, "lib", library), mode=ctypes.RTLD_GLOBAL)
+    ctypes.CDLL(os.environ["MIRAGE_SHIM_PATH"], mode=ctypes.RTLD_GLOBAL)
+
+
 class _TorchImportHook(importlib.abc.MetaPathFinder):
     """Intercepts the first `import torch` of the process."""
 
@@ -48,7 +59,7 @@ class _TorchImportHook(importlib.abc.MetaPathFinder):
         if spec is None or spec.loader is None:
             return spec
         _export_for_shim()
-        ctypes.CDLL(os.environ["MIRAGE_SHIM_PATH"], mode=ctypes.RTLD_GLOBAL)
+        _load_shim(spec.submodule_search_locations[0])
         run_torch_init = spec.loader.exec_module
 
         def exec_module(module: ModuleType) -> None:
@@ -68,7 +79,7 @@ def import_torch_for_fork_server() -> ModuleType:
     capacity, vendor) on first use, not at load, and nothing here uses it; the per-process
     rest is complete_forked_process's, in each child."""
     sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _TorchImportHook)]
-    ctypes.CDLL(os.environ["MIRAGE_SHIM_PATH"], mode=ctypes.RTLD_GLOBAL)
+    _load_shim(importlib.util.find_spec("torch").submodule_search_locations[0])
     import torch
 
     return torch

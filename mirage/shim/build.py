@@ -2,8 +2,12 @@
 shim (this folder; a plain library loaded before `import torch`) and the emulated NCCL backend
 (mirage/nccl; a Python extension module, loaded once torch is imported, next to the shim).
 
-The cache key covers both parts' sources, this builder (its compiler flags), the torch version and
-installation directory, and the Python version, so a change to any of them rebuilds. Building imports torch, which must happen in a process where the shim is
+The cache key covers both parts' sources, this builder (its compiler flags), the torch release and
+the exact binaries of its libraries (their hashes, from the wheel's RECORD), and the Python
+version, so a change to any of them rebuilds, while two environments holding the same torch wheel
+share one build: the libraries carry no path to a torch installation (no rpath), and the process
+that loads them maps its own torch's libc10/libtorch_cpu first (mirage.runtime.boot), so each
+environment's workload links to its own. Building imports torch, which must happen in a process where the shim is
 NOT being loaded; the launcher therefore runs this module as `python -m mirage.shim.build` in a
 clean subprocess and reads the library path from its stdout. Concurrent builders serialise on a
 file lock, so two `mirage run`s started together build once. Objects are compiled in a build
@@ -45,15 +49,30 @@ def library_path() -> Path:
     return cache_root() / f"shim-{_key(SOURCES + HEADERS)}" / f"{LIBRARY_NAME}.so"
 
 
+# The torch libraries mirage's native parts link to; their hashes identify the binaries.
+LINKED_TORCH_LIBRARIES = ("torch/lib/libc10.so", "torch/lib/libtorch_cpu.so", "torch/lib/libtorch_python.so")
+
+
+def _torch_binaries() -> str:
+    """The installed torch's release and the hashes its wheel's RECORD gives the libraries we link
+    to (reading RECORD is cheap; hashing 400 MB of libraries is not). A torch without those
+    records (a source build) is named by its installation directory instead, so it never shares."""
+    torch = importlib.metadata.distribution("torch")
+    records = {}
+    for line in (torch.read_text("RECORD") or "").splitlines():
+        path, _, rest = line.partition(",")
+        if path in LINKED_TORCH_LIBRARIES:
+            records[path] = rest.partition(",")[0]
+    if len(records) != len(LINKED_TORCH_LIBRARIES) or not all(records.values()):
+        records = {"installation": str(Path(torch.locate_file("torch")).resolve())}
+    return f"{torch.version} {sorted(records.items())}"
+
+
 def _key(sources: list[Path]) -> str:
     key = hashlib.sha256()
     for source in sources + [Path(__file__)]:  # the code and how it is compiled
         key.update(source.read_bytes())
-    torch = importlib.metadata.distribution("torch")
-    key.update(torch.version.encode())
-    # Where torch is installed too: the libraries link to that installation's libtorch, so two
-    # environments with the same torch version must not share them.
-    key.update(str(Path(torch.locate_file("torch")).resolve()).encode())
+    key.update(_torch_binaries().encode())
     key.update(sys.version.encode())
     return key.hexdigest()[:16]
 
@@ -100,7 +119,6 @@ def build() -> Path:
             (build_dir / "lock").unlink(missing_ok=True)
         import torch.utils.cpp_extension as cpp_extension
 
-        rpath = f"-Wl,-rpath,{cpp_extension.TORCH_LIB_PATH}"
         verbose = os.environ.get("MIRAGE_VERBOSE_BUILD") == "1"
         if not target.exists():
             objects = cache_root() / f"objects-{_key([])}"
@@ -108,9 +126,9 @@ def build() -> Path:
             (objects / "lock").unlink(missing_ok=True)
             cpp_extension.load(
                 name=LIBRARY_NAME, sources=[str(source) for source in SOURCES], build_directory=str(objects),
-                # The shim is loaded before `import torch`, so it must find libtorch on its own
-                # (rpath) and must not drag in libtorch_python (--as-needed).
-                extra_ldflags=["-Wl,--as-needed", rpath], extra_cflags=["-O3"], is_python_module=False,
+                # The shim is loaded before `import torch`, after the process's own libtorch
+                # (boot.py), and must not drag in libtorch_python (--as-needed).
+                extra_ldflags=["-Wl,--as-needed"], extra_cflags=["-O3"], is_python_module=False,
                 verbose=verbose)
             partial = target.with_suffix(".partial")
             shutil.copy2(objects / f"{LIBRARY_NAME}.so", partial)
@@ -120,7 +138,7 @@ def build() -> Path:
             # torch, so it links libtorch_python like any torch extension.
             cpp_extension.load(
                 name=NCCL_MODULE_NAME, sources=[str(source) for source in NCCL_SOURCES],
-                build_directory=str(nccl_dir), extra_ldflags=[rpath], extra_cflags=["-O3"], is_python_module=True,
+                build_directory=str(nccl_dir), extra_cflags=["-O3"], is_python_module=True,
                 verbose=verbose)
     return target
 
