@@ -66,6 +66,14 @@ def device_properties(value) -> bool:
             and isinstance(value["uuid"], str) and count(value["L2_cache_size"]) and value["L2_cache_size"] > 0)
 
 
+def gpu_processes(value) -> bool:
+    """torch's printout for GPU 0 (torch/cuda/memory.py): no process yet (this call is the process's
+    first: it holds no context), or a line per process that holds memory there."""
+    lines = value.splitlines()
+    return lines[0] == "GPU:0" and (lines[1:] == ["no processes are running"] or all(
+        re.fullmatch(r"process +\d+ uses +\d+\.\d{3} MB GPU memory", line) for line in lines[1:]))
+
+
 def flag(value) -> bool:
     return isinstance(value, bool)
 
@@ -121,9 +129,7 @@ VALUES = {
     "memory_summary": lambda value: "PyTorch CUDA memory summary, device ID 0" in value,
     "is_available": lambda value: value is True, "is_bf16_supported": lambda value: value is True,
     "is_current_stream_capturing": lambda value: value is False, "is_tf32_supported": flag,
-    # the message torch itself returns without the vendor's Python bindings (torch/cuda/memory.py)
-    "list_gpu_processes": lambda value: value == ("amdsmi module not found, please install amdsmi" if AMD
-                                                  else "pynvml module not found, please install nvidia-ml-py"),
+    "list_gpu_processes": gpu_processes,
     "utilization": lambda value: 0 <= value <= 100, "memory_usage": lambda value: 0 <= value <= 100,
     "temperature": lambda value: count(value) and 0 < value < 100,
     # watts on AMD (amdsmi's socket power), milliwatts on NVIDIA (NVML), at most the board's power
