@@ -30,7 +30,7 @@ def leftovers(session: str) -> list[str]:
     ("kill:rank=0:at=collective:2:for=5s", "for= applies to stall faults only"),
     ("kill:at=collective:2", "say which rank"),
     ("kill-node:node=2:at=after:3s", "node 2 is out of range: this session has 1 node(s)"),
-    ("kill-node:node=0:at=op:3", "a fault of kind kill-node fires at=after or at=collective, not at=op"),
+    ("kill-node:node=0:at=op:3", "kill-node fires at=after or at=collective, not at=op; e.g. kill-node:node=0:at=collective:10"),
     ("kill-node:node=0:at=collective:0", "it can never fire: counts start at 1"),
     ("kill-node:node=0:at=collective", "at=collective needs the count it fires at"),
     ("kill-node:node=0:at=collective:3:for=5s", "for= applies to stall faults only"),

@@ -188,8 +188,9 @@ def _build(fields: dict, spec: str, index: int, rng: random.Random, world: int, 
                        f"this session has {world} GPU(s), ranks 0 to {world - 1} (more with --gpus-per-node / --num-nodes)")
     trigger = str(fields.get("at", ""))
     if trigger not in KINDS[kind]:
+        example = f"node={node}:at=collective" if kind == "kill-node" else f"rank={rank}:at={KINDS[kind][0]}"
         raise FaultError(f"fault '{spec}': a fault of kind {kind} fires at={' or at='.join(KINDS[kind])}, not at={trigger or '?'}; "
-                         f"e.g. {kind}:rank={rank}:at={KINDS[kind][0]}:10")
+                         f"e.g. {kind}:{example}:10")
     count = fields.get("count")
     rejoin = _seconds(str(fields["rejoin"]), spec, "rejoin") if "rejoin" in fields else 0.0
     if trigger == "after":
