@@ -93,6 +93,9 @@ def test_containers_of_a_node_share_its_shm_and_exit_codes_pass_through():
 
 @needs_image
 def test_sigkill_of_mirage_leaves_no_container_process_or_shm_folder(tmp_path):
+    """Mutation (2026-12-04): with containers.remove_containers a no-op, this fails with the process
+    each node's container started with `env -i setsid` still running (found by its recorded pid) and
+    both containers still listed."""
     record = tmp_path / "pids"
     proc = subprocess.Popen([sys.executable, "-m", "mirage", "run", "--image", IMAGE, "--num-nodes", "2",
                              "--workdir", str(tmp_path), "--", *hiding_workload(record)],
