@@ -5,6 +5,8 @@
 # `podman import`. mirage itself is NOT in the image: it is bind-mounted from the host checkout.
 #
 #   scripts/podman_image.sh [NAME] [--rebuild]      (NAME defaults to localhost/mirage-node:test)
+#   scripts/podman_image.sh --install-only          podman and runc from Debian, no image (tests/test_image.py's
+#                                                   refusals use the real podman; ~30 MB, ~20 s)
 #
 # Env: TORCH_VERSION (2.13.0), TORCH_WHEEL (a .whl path; else looked up in pip's find-links),
 #      DEBIAN_MIRROR (else the host's apt source, else http://deb.debian.org/debian),
@@ -45,10 +47,12 @@ set -euo pipefail
 
 NAME=localhost/mirage-node:test
 REBUILD=0
+INSTALL_ONLY=0
 for arg in "$@"; do
     case "$arg" in
         --rebuild) REBUILD=1 ;;
-        -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --install-only) INSTALL_ONLY=1 ;;
+        -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) echo "unknown option: $arg" >&2; exit 2 ;;
         *) NAME=$arg ;;
     esac
@@ -67,12 +71,13 @@ fi
 need_pkgs=()
 command -v podman >/dev/null || need_pkgs+=(podman conmon catatonit)
 command -v runc >/dev/null || need_pkgs+=(runc)   # crun refuses this host's hybrid cgroups
-command -v debootstrap >/dev/null || need_pkgs+=(debootstrap)
+[ "$INSTALL_ONLY" = 1 ] || command -v debootstrap >/dev/null || need_pkgs+=(debootstrap)
 if [ ${#need_pkgs[@]} -gt 0 ]; then
     echo "== installing ${need_pkgs[*]} (apt-get)"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >/dev/null
 fi
+[ "$INSTALL_ONLY" = 0 ] || exit 0
 
 if [ "$REBUILD" = 0 ] && podman image exists "$NAME"; then
     echo "== image $NAME exists (use --rebuild to build it again)"

@@ -32,6 +32,13 @@ def hiding_workload(record: Path) -> list[str]:
     return ["sh", "-c", HIDING, str(record)]
 
 
+def hiding_then(record: Path, command: list[str]) -> list[str]:
+    """A workload that hides processes as hiding_workload's does (HIDING_COUNT recorded in `record`:
+    its shell, then `command` exec'd in the same process) and then runs `command`, whose exit code
+    is the workload's."""
+    return ["sh", "-c", HIDING.removesuffix("exec sleep 1000\n") + 'exec "$@"\n', str(record), *command]
+
+
 def recorded(record: Path, count: int, alive: "subprocess.Popen") -> list[tuple[int, str]]:
     """(pid, start time) of the `count` processes the workload recorded, once it has (polls the
     file, which is written by the processes themselves; fails if `alive` ends first)."""

@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -95,15 +96,33 @@ def test_smi_on_one_host_shows_the_whole_cluster(slurm):
     assert not cluster_leftovers()
 
 
+TRAINING = "Init COMPLETE"  # each rank's NCCL_DEBUG=INFO line; DDP's broadcast and steps follow
+
+
 def test_sigkill_of_mirage_node_on_either_host_leaves_nothing_on_any_host(slurm):
+    """mirage node is killed once both hosts' ranks have formed their communicator (training), an
+    event read from the job's output, not a time. The output is read by a thread for the whole job:
+    a pipe nobody reads fills (64 KiB) and blocks the ranks' writes, and a readline in the test's
+    own thread would wait for ever on a line that never comes."""
     for victim in (0, 1):
         # --kill-on-bad-exit, as a job script would: a rank still in start-up waits for its lost peer
         # until torch's timeout otherwise (10 minutes), on a real cluster too
         job = subprocess.Popen(["srun", "--quiet", "--kill-on-bad-exit=1", "-N2", "--ntasks-per-node=1", MIRAGE,
-                                "node", "--quiet", "--gpus-per-node", "1", "--nproc-per-node", "1", "--", "python",
-                                "tests/fixtures/ml/ddp_mlp.py"],
+                                "node", "--quiet", "--gpus-per-node", "1", "--nproc-per-node", "1",
+                                "--env", "NCCL_DEBUG=INFO", "--", "python", "tests/fixtures/ml/ddp_mlp.py"],
                                cwd=REPO, env={**slurm, "STEPS": "100000"}, stdout=subprocess.PIPE,
-                               stderr=subprocess.DEVNULL, text=True)
+                               stderr=subprocess.STDOUT, text=True)
+        lines: list[str] = []
+        training = threading.Event()
+
+        def read(out=job.stdout, lines=lines, training=training) -> None:
+            for line in out:
+                lines.append(line)
+                if sum(TRAINING in seen for seen in lines) >= 2:
+                    training.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
         folder = launcher.runtime_root()
         deadline = time.monotonic() + 120
         run_pid = None
@@ -115,19 +134,25 @@ def test_sigkill_of_mirage_node_on_either_host_leaves_nothing_on_any_host(slurm)
                 except (OSError, ValueError, IndexError):
                     pass
         assert run_pid is not None
-        time.sleep(3)  # into start-up or training
+        assert training.wait(120), "the ranks never formed their communicator:\n" + "".join(lines[-30:])
         os.kill(run_pid, signal.SIGKILL)
         job.wait(timeout=120)  # the other host's ranks find their peers gone, and srun ends the step
+        reader.join(timeout=10)
         deadline = time.monotonic() + 30
         while cluster_leftovers() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not cluster_leftovers(), f"host{victim} killed"
 
 
-def test_a_host_that_never_joins_fails_the_rendezvous_naming_it(slurm):
-    """Only host0 of a 2-host allocation starts mirage node: it names host1 and leaves nothing."""
+def test_a_host_that_never_joins_fails_the_rendezvous_naming_it(slurm, tmp_path):
+    """Only host0 of a 2-host allocation starts mirage node: it names host1 and leaves nothing.
+    host1's task stays up, not in mirage, until host0's mirage node has ended (a file host0's
+    shell writes after it, on the hosts' shared filesystem), as a host that is there but never
+    joins; host0's shell runs mirage node without exec so that it can write the file."""
+    ended = tmp_path / "host0-ended"
     result = subprocess.run(["srun", "--quiet", "-N2", "--ntasks-per-node=1", "sh", "-c",
-                             f'[ "$SLURM_NODEID" = 0 ] && exec {MIRAGE} node --rdzv-timeout 5 -- true; sleep 7'],
+                             f'if [ "$SLURM_NODEID" = 0 ]; then {MIRAGE} node --rdzv-timeout 5 -- true; code=$?; '
+                             f'touch {ended}; exit $code; fi; while [ ! -e {ended} ]; do sleep 0.1; done'],
                             cwd=REPO, env=slurm, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "host(s) host1 did not join within 5 s" in result.stderr

@@ -55,6 +55,7 @@ class FlightRecorder:
     last: dict[int, dict] = field(default_factory=dict)  # rank -> its last entry
     counts: dict[int, list[int]] = field(default_factory=dict)  # rank -> [collectives, bytes]
     failed: bool = False
+    checked_at: float = 0.0  # wall-clock time of the watch's last pass that found no hang
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> None:
@@ -107,14 +108,25 @@ class FlightRecorder:
         return (f"{state} #{entry['seq']} {entry['name']} (group '{entry['group']}')"
                 + (f" at {entry['callsite']}" if entry.get("callsite") else ""))
 
+    def watch_state(self) -> dict:
+        """For the session's status (hang_watch): the hang timeout; when the watch last looked and
+        found no hang (wall-clock seconds: an operation still open that began before checked_at
+        minus timeout_s would have been reported by then); what each rank waits in now."""
+        with self._lock:
+            waiting = [{"rank": rank, "seq": entry.get("seq"), "op": entry.get("name"), "group": entry.get("group")}
+                       for rank, ops in sorted(self.open_ops.items()) for entry in ops.values()]
+            return {"timeout_s": self.hang_timeout, "checked_at": self.checked_at, "waiting": waiting}
+
     def _watch(self) -> None:
         while not self.failed:
             time.sleep(min(1.0, max(self.hang_timeout / 4, 0.05)))
-            now = time.monotonic()
+            now, wall = time.monotonic(), time.time()
             with self._lock:
                 # per rank, the operation it has waited in longest (its collectives and its p2p worker's)
                 oldest_open = {r: min(ops.values(), key=lambda e: e["t"]) for r, ops in self.open_ops.items() if ops}
                 stuck = {r: e for r, e in oldest_open.items() if now - e["t"] > self.hang_timeout}
+                if not stuck and not self.failed:
+                    self.checked_at = wall
                 if not stuck or self.failed:
                     continue
                 self.failed = True

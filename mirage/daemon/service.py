@@ -184,7 +184,8 @@ class SessionService:
                  for r in sorted(processes.values(), key=lambda r: (r.rank is None, r.rank or 0, r.pid))]
         status = {"session": self.session_id, "run_pid": os.getpid(), "started": self.started,
                   "profile": self.profile_name, "device": self.torch_name, "num_nodes": self.num_nodes,
-                  "gpus_per_node": self.gpus_per_node, "gpus": gpus, "processes": ranks}
+                  "gpus_per_node": self.gpus_per_node, "gpus": gpus, "processes": ranks,
+                  "hang_watch": self.recorder.watch_state()}
         if with_other_hosts and self.other_hosts is not None:
             others = self.other_hosts()
             status["hosts"] = [self.session_id] + [other["session"] for other in others]

@@ -388,6 +388,7 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
     exit_code = 1
     started = time.time()
     timer: fault_specs.FaultTimer | None = None
+    node_killer: fault_specs.NodeKiller | None = None
     namespaces: nodes.NodeNamespaces | None = None
     in_image: containers.NodeContainers | None = None
     fork_server: fork_server_process.ForkServer | None = None
@@ -439,6 +440,9 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
             for fault in faults:
                 narrate(f"fault {fault.id} armed: {fault.describe()}")
             fault_specs.fire_at_start(session_dir / "faults", faults, narrate)
+            if any(f.kind == "kill-node" and f.trigger == "collective" for f in faults):
+                node_killer = fault_specs.NodeKiller(faults, session_id, session_dir / "faults", narrate, supervisor)
+                node_killer.start()
         user = environment.parse_assignments(request.env)
         port = cluster.master_port if cluster else free_port()
         per_node = request.nproc_per_node or 1
@@ -540,6 +544,8 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
     finally:
         if timer is not None:
             timer.stopped.set()
+        if node_killer is not None:
+            node_killer.stop()
         if cluster is not None:
             cluster.stop_sharing()
         supervisor.teardown()

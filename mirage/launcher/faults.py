@@ -21,6 +21,9 @@
                                                ... and 10 s later node 1 starts its command again,
                                                as a rebooted node rejoins (elastic torchrun
                                                --nnodes=1:2 re-forms the world around it)
+    --fault kill-node:node=1:at=collective:20  ... as node 1's first rank (its local rank 0)
+                                               starts its 20th collective: a point in the job,
+                                               not in time (rejoin= too)
     --fault kill:rank=0:at=collective:random --seed 7
                                                the count drawn from --seed (1-100)
     --fault slow-gpu:rank=3:factor=2           clocked mode (--timing): rank 3's GPU runs its kernels
@@ -28,11 +31,13 @@
     --fault slow-link:nodes=0-1:factor=4       clocked mode: the links between emulated nodes 0 and 1
                                                carry 4x less (collectives spanning both pay it)
 
-A FILE holds `[[fault]]` tables with the same keys (kind, rank, node, nodes, at, count, for, factor). Every spec is
+A FILE holds `[[fault]]` tables with the same keys (kind, rank, node, nodes, at, count, for, factor, rejoin). Every spec is
 checked before the workload starts (exit 2, naming the fix); each fault fires once per session
 (a worker torchrun restarts does not fire it again), is logged on stderr with its rank and
 trigger, and is listed in the session summary. The work itself happens at the two choke points:
 the shim's op path and allocator, and the emulated NCCL's collective (mirage/shim/faults.h).
+A node cannot kill itself all at once (its torchrun agent is not in the collective), so at a
+kill-node fault's collective the shim asks the launcher (NodeKiller) and waits to be killed.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from mirage.launcher.supervisor import session_processes
 # What each kind of fault can be triggered by.
 KINDS: dict[str, tuple[str, ...]] = {
     "kill": ("collective", "op", "alloc", "after"),
-    "kill-node": ("after",),
+    "kill-node": ("after", "collective"),
     "stall": ("collective",),
     "oom": ("alloc",),
     "lose-gpu": ("op", "alloc", "collective"),
@@ -93,6 +98,9 @@ class Fault:
             rejoin = f", rejoining {self.rejoin_s:g} s later" if self.rejoin_s else ""
             return f"{self.kind} {who} {self.after_s:g} s into the session{rejoin}"
         stall = f" for {self.stall_s:g} s" if self.kind == "stall" else ""
+        if self.kind == "kill-node":
+            rejoin = f", rejoining {self.rejoin_s:g} s later" if self.rejoin_s else ""
+            return f"{self.kind} {who} at its first rank's {self.trigger} {self.count}{rejoin}"
         return f"{self.kind} {who} at its {self.trigger} {self.count}{stall}"
 
 
@@ -180,13 +188,14 @@ def _build(fields: dict, spec: str, index: int, rng: random.Random, world: int, 
                        f"this session has {world} GPU(s), ranks 0 to {world - 1} (more with --gpus-per-node / --num-nodes)")
     trigger = str(fields.get("at", ""))
     if trigger not in KINDS[kind]:
+        example = f"node={node}:at=collective" if kind == "kill-node" else f"rank={rank}:at={KINDS[kind][0]}"
         raise FaultError(f"fault '{spec}': a fault of kind {kind} fires at={' or at='.join(KINDS[kind])}, not at={trigger or '?'}; "
-                         f"e.g. {kind}:rank={rank}:at={KINDS[kind][0]}:10")
+                         f"e.g. {kind}:{example}:10")
     count = fields.get("count")
+    rejoin = _seconds(str(fields["rejoin"]), spec, "rejoin") if "rejoin" in fields else 0.0
     if trigger == "after":
         if count is None:
             raise FaultError(f"fault '{spec}': at=after needs a time, e.g. at=after:30s")
-        rejoin = _seconds(str(fields["rejoin"]), spec, "rejoin") if "rejoin" in fields else 0.0
         return Fault(index, kind, rank, trigger, 0, after_s=_seconds(str(count), spec, "at=after"), node=node,
                      rejoin_s=rejoin)
     drawn = count == "random"
@@ -206,7 +215,7 @@ def _build(fields: dict, spec: str, index: int, rng: random.Random, world: int, 
         stall_s = _seconds(str(fields["for"]), spec)
     elif "for" in fields:
         raise FaultError(f"fault '{spec}': for= applies to stall faults only")
-    return Fault(index, kind, rank, trigger, count, stall_s, drawn=drawn)
+    return Fault(index, kind, rank, trigger, count, stall_s, node=node, drawn=drawn, rejoin_s=rejoin)
 
 
 def parse_spec(spec: str) -> dict:
@@ -246,11 +255,13 @@ def load(specs: list[str], file: str | None, seed: int | None, world: int, nodes
 
 
 def environment(faults: list[Fault]) -> dict[str, str]:
-    """What the processes read: MIRAGE_FAULTS, 'rank:id,kind,trigger,count,stall_ms;...', the faults
-    they count themselves (at=after is the launcher's, see FaultTimer); MIRAGE_SLOW_GPUS
+    """What the processes read: MIRAGE_FAULTS, 'target:id,kind,trigger,count,stall_ms;...', the faults
+    they count themselves (at=after is the launcher's, see FaultTimer), whose target is a RANK, or
+    nN for node N's first rank (kill-node); MIRAGE_SLOW_GPUS
     'rank:factor,...' and MIRAGE_SLOW_LINKS 'a-b:factor,...' for clocked mode's cost model."""
     return {
-        "MIRAGE_FAULTS": ";".join(f"{f.rank}:{f.id},{f.kind},{f.trigger},{f.count},{round(f.stall_s * 1000)}"
+        "MIRAGE_FAULTS": ";".join(f"{f'n{f.node}' if f.kind == 'kill-node' else f.rank}:"
+                                  f"{f.id},{f.kind},{f.trigger},{f.count},{round(f.stall_s * 1000)}"
                                   for f in faults if f.trigger not in ("after", "start")),
         "MIRAGE_SLOW_GPUS": ",".join(f"{f.rank}:{f.factor}" for f in faults if f.kind == "slow-gpu"),
         "MIRAGE_SLOW_LINKS": ",".join(f"{f.link[0]}-{f.link[1]}:{f.factor}" for f in faults if f.kind == "slow-link"),
@@ -300,15 +311,73 @@ class FaultTimer(threading.Thread):
                 continue  # not started yet or already gone: the fault did not fire
             _claim(self.folder, fault, victims[0])
             self.fired.add(fault.id)
-            if fault.kind == "kill-node":
-                self.supervisor.spare(victims, rejoin=fault.rejoin_s > 0)
-            for pid in victims:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            _kill_all(fault, victims, self.supervisor)
             who = f"node {fault.node} ({len(victims)} processes)" if fault.kind == "kill-node" else f"rank {fault.rank}"
             self.log(f"fault {fault.id} injected: SIGKILL on {who} {fault.after_s:g} s into the session")
+
+
+KILL_NODE_PIPE = "kill-node"  # the FIFO in the session's faults folder through which a rank asks NodeKiller
+
+
+class NodeKiller(threading.Thread):
+    """The launcher's half of kill-node at=collective. The node's first rank counts its collectives
+    (the shim, mirage/shim/faults.cpp); at the fault's it claims the fault, writes 'ID PID' to the
+    FIFO folder/kill-node and waits there. This thread then SIGKILLs, all at once, every process of
+    the session on that node (MIRAGE_NODE_RANK=N: its torchrun agent and every rank) and the
+    asking process, as FaultTimer does for at=after; with rejoin= the node's command starts again
+    that much later. A FIFO, not a signal to the launcher: the request names its fault and its
+    process, and a rank in a container of the node (--image) reaches it through the session folder."""
+
+    def __init__(self, faults: list[Fault], session_id: str, folder: Path, log, supervisor) -> None:
+        super().__init__(name="mirage-node-killer", daemon=True)
+        self.faults = {f.id: f for f in faults if f.kind == "kill-node" and f.trigger == "collective"}
+        self.session_id, self.log, self.supervisor = session_id, log, supervisor
+        pipe = folder / KILL_NODE_PIPE
+        os.mkfifo(pipe, 0o600)
+        # read and write: the FIFO never reads end-of-file between requests, and stop() wakes it
+        self.fd = os.open(pipe, os.O_RDWR)
+        self.rejoins: list[threading.Timer] = []
+
+    def run(self) -> None:
+        with open(self.fd, "rb", closefd=False) as requests:
+            for line in requests:
+                fields = line.split()
+                if fields == [b"stop"]:
+                    return
+                fault, pid = self.faults[int(fields[0])], int(fields[1])
+                victims = sorted({pid, *(p for p in session_processes(self.session_id)
+                                         if _environ(p).get("MIRAGE_NODE_RANK") == str(fault.node))})
+                _kill_all(fault, victims, self.supervisor)
+                self.log(f"fault {fault.id}: SIGKILL on node {fault.node} ({len(victims)} processes), "
+                         f"asked by its first rank at its collective {fault.count}")
+                if fault.rejoin_s:
+                    rejoin = threading.Timer(fault.rejoin_s, self._rejoin, (fault,))
+                    rejoin.daemon = True
+                    self.rejoins.append(rejoin)
+                    rejoin.start()
+
+    def _rejoin(self, fault: Fault) -> None:
+        self.log(f"fault {fault.id}: node {fault.node} rejoins, starting its command again")
+        self.supervisor.rejoin_node(fault.node)
+
+    def stop(self) -> None:
+        """Once the job is over: no request is served and no node rejoins any more."""
+        os.write(self.fd, b"stop\n")
+        self.join()
+        for rejoin in self.rejoins:
+            rejoin.cancel()
+        os.close(self.fd)
+
+
+def _kill_all(fault: Fault, victims: list[int], supervisor) -> None:
+    """SIGKILL on every victim at once; a node's are spared by the supervisor (the job goes on)."""
+    if fault.kind == "kill-node":
+        supervisor.spare(victims, rejoin=fault.rejoin_s > 0)
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _environ(pid: int) -> dict[str, str]:

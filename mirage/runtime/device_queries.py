@@ -1,5 +1,5 @@
 """torch.cuda's NVML / amdsmi queries, answered by the emulated device: utilization,
-memory_usage, temperature, power_draw, clock_rate, device_memory_used.
+memory_usage, temperature, power_draw, clock_rate, device_memory_used, list_gpu_processes.
 
 On a real box torch asks pynvml (NVIDIA) or amdsmi (AMD), which have no device to talk to here.
 What each returns (documented in the README):
@@ -14,13 +14,19 @@ What each returns (documented in the README):
 - temperature: a model, 35 C idle rising linearly to 80 C at 100% utilization.
 - clock_rate: the profile's clock in MHz.
 - device_memory_used: bytes in use on the device, by every process of the session.
+- list_gpu_processes: torch's printout ("GPU:N", then "process PID uses X MB GPU memory" per
+  process) of the session's processes holding memory on the device, from the session's device
+  table (what `mirage smi` lists); without a session service (--in-process), this process alone.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from types import ModuleType
 
+from mirage.daemon.shared_table import SharedTable
 from mirage.profiles import Profile, temperature_celsius
 
 _SHORTEST_SAMPLE_PERIOD_S = 1 / 6  # NVML's
@@ -65,6 +71,19 @@ def install(torch: ModuleType, profile: Profile) -> None:
         free, total = cuda.mem_get_info(index(device))
         return total - free
 
+    def list_gpu_processes(device=None) -> str:
+        d = index(device)
+        gpu = [int(g) for g in os.environ["MIRAGE_VISIBLE_GPUS"].split(",")][d]  # the node's GPU, as NVML numbers it
+        if os.environ.get("MIRAGE_SHM"):
+            node = int(os.environ.get("MIRAGE_NODE_RANK", "0"))
+            users = [(v.pid, v.bytes_per_gpu[gpu]) for _, v in SharedTable.open(Path(os.environ["MIRAGE_SHM"])).slots()
+                     if v.node == node and v.bytes_per_gpu[gpu]]
+        else:
+            users = [(os.getpid(), device_memory_used(d))]
+        lines = [f"GPU:{gpu}"] + [f"process {pid:>10d} uses {used / 2**20:>12.3f} MB GPU memory" for pid, used in users]
+        return "\n".join(lines if users else lines + ["no processes are running"])
+
     cuda.utilization = cuda.memory_usage = utilization
     cuda.temperature, cuda.power_draw, cuda.clock_rate = temperature, power_draw, clock_rate
     cuda.device_memory_used = device_memory_used
+    cuda.list_gpu_processes = cuda.memory.list_gpu_processes = list_gpu_processes

@@ -25,7 +25,8 @@ namespace {
 std::atomic<bool> g_device_lost{false};
 
 // One fault as the launcher encodes it: "id,kind,trigger,count,stall_ms" (kind: kill, stall,
-// oom, lose-gpu; trigger: op, alloc, collective), already filtered to ranks that exist and checked.
+// oom, lose-gpu, kill-node; trigger: op, alloc, collective), already filtered to ranks that exist
+// and checked.
 struct Fault {
   int id = 0;
   std::string kind, trigger;
@@ -36,6 +37,7 @@ struct Faults {
   std::vector<Fault> mine;  // this rank's
   std::string folder;       // where fired faults leave their marker
   std::string rank;
+  std::string node;         // MIRAGE_NODE_RANK, for a kill-node fault's message
   bool is_rank = false;     // RANK is set: a worker (not torchrun's agent or a helper process)
   std::string restart;      // torchrun's attempt (TORCHELASTIC_RESTART_COUNT)
   std::atomic<int64_t> ops{0}, allocs{0}, collectives{0};
@@ -66,7 +68,8 @@ void observe(const Faults& f, const char* event, const std::string& detail) {
   ::close(fd);
 }
 
-// MIRAGE_FAULTS: "rank:id,kind,trigger,count,stall_ms;..." (the launcher's encoding).
+// MIRAGE_FAULTS: "target:id,kind,trigger,count,stall_ms;..." (the launcher's encoding). The target
+// is a RANK, or "nN" for node N's first rank (its LOCAL_RANK 0), where a kill-node fault counts.
 Faults* read_faults() {
   auto* out = new Faults();
   const char* spec = std::getenv("MIRAGE_FAULTS");
@@ -78,11 +81,17 @@ Faults* read_faults() {
   const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
   out->restart = restart && *restart ? restart : "0";
   out->folder = std::string(runtime) + "/faults";
+  const char* node = std::getenv("MIRAGE_NODE_RANK");
+  const char* local_rank = std::getenv("LOCAL_RANK");
+  out->node = node ? node : "0";
+  const bool first_of_node = !local_rank || std::string(local_rank) == "0";
   std::stringstream entries(spec);
   std::string entry;
   while (std::getline(entries, entry, ';')) {
     const auto colon = entry.find(':');
-    if (colon == std::string::npos || entry.substr(0, colon) != out->rank) continue;
+    if (colon == std::string::npos) continue;
+    const std::string target = entry.substr(0, colon);
+    if (target != out->rank && !(first_of_node && target == "n" + out->node)) continue;
     std::stringstream fields(entry.substr(colon + 1));
     std::string id, count, stall;
     Fault fault;
@@ -112,8 +121,9 @@ Faults& faults() {
 }
 
 // Claims the fault for this session (false: it already fired, e.g. before torchrun restarted
-// this worker), then logs it: stderr and the marker the summary reads.
-bool claim(const Fault& fault, const char* what) {
+// this worker), then logs it: stderr ("SIGKILL on rank 1 at its collective 120", or `on` and
+// `whose` for another target) and the marker the summary reads.
+bool claim(const Fault& fault, const char* what, std::string on = "", const char* whose = "its") {
   Faults& f = faults();
   const std::string marker = f.folder + "/" + std::to_string(fault.id);
   const int fd = ::open(marker.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600);
@@ -127,7 +137,8 @@ bool claim(const Fault& fault, const char* what) {
                               static_cast<long long>(fault.count), static_cast<int>(::getpid()), now);
   if (n > 0) (void)!::write(fd, line, static_cast<size_t>(n));
   ::close(fd);
-  std::fprintf(stderr, "mirage: fault %d injected: %s on rank %s at its %s %lld\n", fault.id, what, f.rank.c_str(),
+  if (on.empty()) on = "rank " + f.rank;
+  std::fprintf(stderr, "mirage: fault %d injected: %s on %s at %s %s %lld\n", fault.id, what, on.c_str(), whose,
                fault.trigger.c_str(), static_cast<long long>(fault.count));
   std::fflush(stderr);
   return true;
@@ -136,6 +147,19 @@ bool claim(const Fault& fault, const char* what) {
 [[noreturn]] void kill_self() {
   ::kill(::getpid(), SIGKILL);
   std::abort();  // not reached: SIGKILL cannot be caught
+}
+
+// A kill-node fault: the node's processes (its torchrun agent too) die at once, which only the
+// launcher can do: this asks it through the FIFO it reads (launcher/faults.py, NodeKiller) and
+// waits for its SIGKILL. Without a launcher reading, the rank at least dies.
+[[noreturn]] void kill_node(const Fault& fault) {
+  const std::string pipe = faults().folder + "/kill-node";
+  const int fd = ::open(pipe.c_str(), O_WRONLY | O_NONBLOCK);
+  char request[64];
+  const int n = std::snprintf(request, sizeof request, "%d %d\n", fault.id, static_cast<int>(::getpid()));
+  if (fd < 0 || ::write(fd, request, static_cast<size_t>(n)) != n) kill_self();
+  ::close(fd);
+  for (;;) ::pause();
 }
 
 // The fault of `trigger` whose count this event reaches, or null.
@@ -201,6 +225,8 @@ extern "C" int64_t mirage_fault_at_collective() {
   const Fault* fault = due("collective", ++faults().collectives);
   if (!fault) return 0;
   if (fault->kind == "kill" && claim(*fault, "SIGKILL")) kill_self();
+  if (fault->kind == "kill-node" && claim(*fault, "SIGKILL", "node " + faults().node, "its first rank's"))
+    kill_node(*fault);
   if (fault->kind == "stall" && claim(*fault, "stall")) return fault->stall_ms;
   if (fault->kind == "lose-gpu" && claim(*fault, "GPU lost")) lose_device();  // the backend sees it
   return 0;

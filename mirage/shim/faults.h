@@ -1,6 +1,7 @@
 // Faults on purpose (mirage run --fault / --faults): the shim's half. The launcher checks every
 // spec and hands each process the list in MIRAGE_FAULTS; a fault whose rank is this process's
-// RANK fires at its trigger, once per session (a marker file in the session's runtime folder
+// RANK (a kill-node fault: whose node is this process's and this process its local rank 0)
+// fires at its trigger, once per session (a marker file in the session's runtime folder
 // claims it, so a worker torchrun restarts does not fire it again). Triggers counted here: the
 // process's Nth device op (op path), Nth device allocation (the allocator), Nth collective (the
 // emulated NCCL asks through mirage_fault_at_collective). Every fault that fires is logged on
@@ -32,7 +33,8 @@ void fault_at_alloc(c10::DeviceIndex dev, size_t nbytes, void (*raise_oom)(c10::
 
 extern "C" {
 // The emulated NCCL's count, called as each collective starts: kills the process at a kill
-// fault's collective, loses its GPU at a lose-gpu fault's; returns the milliseconds a stall
+// fault's collective, has the launcher kill its node at a kill-node fault's (and does not
+// return), loses its GPU at a lose-gpu fault's; returns the milliseconds a stall
 // fault holds this collective (0: none).
 int64_t mirage_fault_at_collective();
 // Whether a lose-gpu fault took this process's GPU.

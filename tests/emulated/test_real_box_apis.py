@@ -1,6 +1,7 @@
 """torch.cuda beyond tensors, as frameworks call it: streams, NVTX, torch.cuda.comm, DataParallel."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -109,6 +110,10 @@ def test_device_queries_answer_from_the_emulated_device_without_vendor_libraries
     block = torch.empty(64 * 2**20, dtype=torch.uint8, device=f"cuda:{device}")  # a segment of its own
     assert torch.cuda.memory_reserved(device) - reserved == block.numel()
     assert torch.cuda.device_memory_used(device) - before == block.numel()
+    # torch's printout of the GPU's processes (NVML's / amdsmi's list): this one, holding what the device has in use
+    used_mb = torch.cuda.device_memory_used(device) / 2**20
+    assert f"process {os.getpid():>10d} uses {used_mb:>12.3f} MB GPU memory" in torch.cuda.list_gpu_processes(device)
+    assert torch.cuda.list_gpu_processes(device).startswith(f"GPU:{device}\n")
 
 
 def test_per_process_memory_fraction_caps_what_the_process_may_allocate():

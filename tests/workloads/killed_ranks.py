@@ -1,40 +1,49 @@
 """A test harness's pattern: it starts two ranks, one of them blocks in an all_reduce the other
 never joins, the harness kills both (its own timeout) and carries on. The session must not
-report the killed rank as hung. Arguments: seconds rank 0 waits in its all_reduce before the kill,
-then seconds the harness goes on (past the session's --hang-timeout, so a wrong report would come)."""
+report the killed rank as hung.
+
+    python killed_ranks.py kill   kill the ranks once rank 0 waits in its all_reduce, then carry on
+                                  until the session's hang watch has looked past the hang timeout
+                                  counted from the kill (a wrong report would have come by then)
+    python killed_ranks.py keep   the positive control: leave rank 0 waiting; the session's hang
+                                  report ends the job
+
+Both phases are read from the session's own flight recorder (its status, hang_watch): what each
+rank waits in, and when the watch last looked and found no hang; no fixed time stands in for them.
+"""
 
 import os
 import sys
-import threading
 import time
 
 import torch
 import torch.multiprocessing as mp
 
-
-def _tell_when_in_all_reduce(main: int, waiting) -> None:
-    """Sets `waiting` once the main thread is inside torch.distributed's all_reduce (where it waits
-    for rank 1), seen in its stack, rather than a fixed time after it was about to call it."""
-    while True:
-        frame = sys._current_frames().get(main)
-        while frame is not None:
-            if frame.f_code.co_name == "all_reduce" and frame.f_code.co_filename.endswith("distributed_c10d.py"):
-                waiting.set()
-                return
-            frame = frame.f_back
-        time.sleep(0.01)
+from mirage.daemon.protocol import SOCKET_NAME
+from mirage.daemon.service import request
 
 
-def rank_main(rank: int, rendezvous: str, waiting) -> None:
+def rank_main(rank: int, rendezvous: str) -> None:
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     dist.all_reduce(torch.ones(4, device="cuda"))  # both: the communicator is up
     if rank == 0:
-        threading.Thread(target=_tell_when_in_all_reduce, args=(threading.get_ident(), waiting), daemon=True).start()
         dist.all_reduce(torch.ones(4, device="cuda"))  # rank 1 never comes
     time.sleep(600)
+
+
+def hang_watch_until(done, what: str) -> dict:
+    """The session's hang watch (mirage smi --json's hang_watch), polled until `done(watch)`."""
+    deadline = time.monotonic() + 120
+    socket = os.path.join(os.environ["MIRAGE_RUNTIME"], SOCKET_NAME)
+    while time.monotonic() < deadline:
+        watch = request(socket, {"op": "status"}, timeout=10.0)["hang_watch"]
+        if done(watch):
+            return watch
+        time.sleep(0.1)
+    raise AssertionError(f"the session never saw {what}: {watch}")
 
 
 if __name__ == "__main__":
@@ -42,14 +51,19 @@ if __name__ == "__main__":
 
     rendezvous = os.path.join(tempfile.mkdtemp(), "rendezvous")  # a file: no port to find free
     context = mp.get_context("spawn")
-    waiting = context.Event()
-    ranks = [context.Process(target=rank_main, args=(r, rendezvous, waiting)) for r in range(2)]
+    ranks = [context.Process(target=rank_main, args=(r, rendezvous)) for r in range(2)]
     for p in ranks:
         p.start()
-    assert waiting.wait(120), "rank 0 never reached its all_reduce"
-    time.sleep(float(sys.argv[1]))  # how long rank 0 waits before the kill (past --hang-timeout: a hang)
+    # rank 0 in its second all_reduce (sequence 2), as the session's flight recorder has it
+    hang_watch_until(lambda watch: any(w["rank"] == 0 and w["seq"] == 2 for w in watch["waiting"]),
+                     "rank 0 waiting in its second all_reduce")
+    if sys.argv[1] == "keep":
+        for p in ranks:
+            p.join()  # until the session's hang report ends the job
+    killed_at = time.time()
     for p in ranks:
         p.kill()
         p.join()
-    time.sleep(float(sys.argv[2]))  # past the session's hang timeout
+    hang_watch_until(lambda watch: watch["checked_at"] > killed_at + watch["timeout_s"],
+                     "a hang check past the timeout after the kill")
     print("harness carried on", flush=True)

@@ -1,6 +1,7 @@
 """Calls every public name of torch.cuda and its submodules with typical arguments, each one as
 the FIRST CUDA call of a fresh process (a child forked before anything touched CUDA), and prints
-one JSON line per name: {"name", "outcome": "ok" | "raised", "error"}.
+one JSON line per name: {"name", "outcome": "ok" | "raised", "error", "value"}; "value" is what
+the call returned, as JSON (see `described`), which the test compares with the device profile.
 
     mirage run --gpus-per-node 2 -- python tests/workloads/torch_cuda_surface.py
 
@@ -77,7 +78,7 @@ CALLS = {
     "CUDAPluggableAllocator": lambda: cuda.CUDAPluggableAllocator("/nonexistent.so", "alloc", "free"),
     "change_current_allocator": lambda: cuda.change_current_allocator(None),
     "get_arch_list": cuda.get_arch_list, "get_device_capability": cuda.get_device_capability,
-    "get_device_name": cuda.get_device_name, "get_device_properties": lambda: cuda.get_device_properties(0).name,
+    "get_device_name": cuda.get_device_name, "get_device_properties": lambda: cuda.get_device_properties(1),
     "get_gencode_flags": cuda.get_gencode_flags,
     "get_per_process_memory_fraction": cuda.get_per_process_memory_fraction,
     "get_rng_state": cuda.get_rng_state, "get_rng_state_all": cuda.get_rng_state_all,
@@ -171,13 +172,41 @@ def public_names() -> list[str]:
     return names
 
 
+# The fields of torch's _CudaDeviceProperties a program reads (torch/csrc/cuda/Module.cpp binds them).
+PROPERTIES = ("name", "major", "minor", "total_memory", "multi_processor_count", "is_integrated",
+              "is_multi_gpu_board", "max_threads_per_multi_processor", "warp_size", "regs_per_multiprocessor",
+              "shared_memory_per_block", "L2_cache_size", "gcnArchName", "uuid", "pci_bus_id")
+
+
+def described(value, depth: int = 0):
+    """A returned value as JSON: plain values as they are; tuples and lists as lists; dicts with their
+    values; a tensor or storage as {"type", "dtype", "device", "shape"/"size"}; device properties as
+    their fields; anything else as {"type": its class name}."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if depth > 3:
+        return {"type": type(value).__name__}
+    if isinstance(value, (tuple, list)):
+        return [described(v, depth + 1) for v in value]
+    if isinstance(value, dict):
+        return {str(k): described(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, torch.Tensor):
+        return {"type": "Tensor", "dtype": str(value.dtype), "device": str(value.device), "shape": list(value.shape)}
+    if isinstance(value, (torch.TypedStorage, torch.UntypedStorage)):
+        dtype = str(value.dtype) if isinstance(value, torch.TypedStorage) else None
+        return {"type": type(value).__name__, "dtype": dtype, "device": str(value.device), "size": value.size()}
+    if all(hasattr(value, field) for field in PROPERTIES):  # torch's _CudaDeviceProperties, or its like
+        return {"type": "device properties", **{f: described(getattr(value, f), depth + 1) for f in PROPERTIES}}
+    return {"type": type(value).__name__}
+
+
 def outcome(name: str) -> dict:
     call = CALLS.get(name)
     if call is None:
         return {"name": name, "outcome": "no typical call", "error": ""}
     try:
-        call()
-        return {"name": name, "outcome": "ok", "error": ""}
+        value = call()
+        return {"name": name, "outcome": "ok", "error": "", "value": described(value)}
     except Exception as error:  # the point is to record what each raises
         return {"name": name, "outcome": "raised", "error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
                 if str(error) else type(error).__name__}
