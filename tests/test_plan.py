@@ -38,7 +38,7 @@ rank = dist.get_rank()
 torch.cuda.set_device(rank)
 if os.environ.get("HANG") == str(batch):  # the session is up: hold it until killed
     time.sleep(1000)
-model = DistributedDataParallel(nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024)).cuda(),
+model = DistributedDataParallel(nn.Sequential(nn.Linear(1024, 16384), nn.ReLU(), nn.Linear(16384, 1024)).cuda(),
                                 device_ids=[rank])
 optimizer = torch.optim.AdamW(model.parameters())
 x = torch.randn(batch, 128, 1024, device="cuda")
@@ -113,19 +113,24 @@ def test_plan_ranks_points_by_their_predictions_caches_them_and_reports_failures
     picture = (tmp_path / "plan.html").read_text()
     assert picture.count("<circle") == 4 and picture.count('fill="#1f6fb4"><title>') == sum(r["pareto"] for r in rows)
 
-    # One more batch value: only its points run (a session each); the batch does not divide over
-    # the ranks, and both points say so, ranked after those that ran.
-    second = plan(tmp_path, script, record, "-j", "2", "--axis", "batch={2,3,4}", *axes[2:],
+    # Two more batch values: only their points run (a session each). 3 does not divide over the
+    # ranks; 32768 needs 256 GiB for one activation, over either profile's capacity (checked before
+    # the host backs it: a smaller excess on mi300x would fail for the host's RAM instead). Each
+    # point says why, ranked after those that ran.
+    second = plan(tmp_path, script, record, "-j", "2", "--axis", "batch={2,3,4,32768}", *axes[2:],
                   "--tokens-per-step", TOKENS)
     assert second.returncode == 0, second.stderr
-    assert len(sessions_run(record)) == 6
-    assert "2 of 6 points to run (4 cached" in second.stderr
+    assert len(sessions_run(record)) == 8
+    assert "4 of 8 points to run (4 cached" in second.stderr
     table = second.stdout.splitlines()
     assert [line.split()[1:3] for line in table[1:5]] == [r["label"].split() for r in rows]
-    assert table[5] == "2 point(s) could not run:"
-    for line, profile in zip(table[6:], ("h100", "mi300x")):
+    assert table[5] == "4 point(s) could not run:"
+    for line, profile in zip(table[6:8], ("h100", "mi300x")):
         assert line == (f"  batch=3 profile={profile}: exit code 1: "
                         "ValueError: batch 3 does not divide over the 2 ranks")
+    for line, (profile, api) in zip(table[8:], (("h100", "CUDA"), ("mi300x", "HIP"))):
+        assert line.startswith(f"  batch=32768 profile={profile}: exit code 1: torch.OutOfMemoryError: "
+                               f"{api} out of memory. Tried to allocate 256.00 GiB."), line
 
 
 @pytest.mark.parametrize("args, fix", [
