@@ -31,8 +31,8 @@ batch = int(os.environ["BATCH"])
 started = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]
 with open(os.environ["RECORD"], "a") as record:
     record.write(f"{os.environ['MIRAGE_SESSION']} {os.getpid()} {started} batch={batch}\\n")
-if batch % 2:
-    raise ValueError(f"batch {batch} does not divide over the 2 ranks")
+# as torchtitan checks its degrees: a bare AssertionError
+assert batch % 2 == 0
 dist.init_process_group("nccl")
 rank = dist.get_rank()
 torch.cuda.set_device(rank)
@@ -114,9 +114,9 @@ def test_plan_ranks_points_by_their_predictions_caches_them_and_reports_failures
     assert picture.count("<circle") == 4 and picture.count('fill="#1f6fb4"><title>') == sum(r["pareto"] for r in rows)
 
     # Two more batch values: only their points run (a session each). 3 does not divide over the
-    # ranks; 32768 needs 256 GiB for one activation, over either profile's capacity (checked before
-    # the host backs it: a smaller excess on mi300x would fail for the host's RAM instead). Each
-    # point says why, ranked after those that ran.
+    # ranks (the assert that failed is named); 32768 needs 256 GiB for one activation, over
+    # either profile's capacity (checked before the host backs it: a smaller excess on mi300x
+    # would fail for the host's RAM instead). Each point says why, after those that ran.
     second = plan(tmp_path, script, record, "-j", "2", "--axis", "batch={2,3,4,32768}", *axes[2:],
                   "--tokens-per-step", TOKENS)
     assert second.returncode == 0, second.stderr
@@ -126,8 +126,7 @@ def test_plan_ranks_points_by_their_predictions_caches_them_and_reports_failures
     assert [line.split()[1:3] for line in table[1:5]] == [r["label"].split() for r in rows]
     assert table[5] == "4 point(s) could not run:"
     for line, profile in zip(table[6:8], ("h100", "mi300x")):
-        assert line == (f"  batch=3 profile={profile}: exit code 1: "
-                        "ValueError: batch 3 does not divide over the 2 ranks")
+        assert line == f"  batch=3 profile={profile}: exit code 1: AssertionError (assert batch % 2 == 0)"
     for line, (profile, api) in zip(table[8:], (("h100", "CUDA"), ("mi300x", "HIP"))):
         assert line.startswith(f"  batch=32768 profile={profile}: exit code 1: torch.OutOfMemoryError: "
                                f"{api} out of memory. Tried to allocate 256.00 GiB."), line

@@ -103,28 +103,38 @@ class Outcome:
 
 
 _RANK_PREFIX = re.compile(r"^(?:\[\w+\]:? ?)+")  # mirage's "[3] " and torch's "[rank3]: "
-_ERROR_LINE = re.compile(r"^(?:[\w.]*(?:Error|Exception|Exit|Interrupt)(?:\[[^\]]*\])?:|mirage: error:)"
+_ERROR_LINE = re.compile(r"^(?:[\w.]*(?:Error|Exception|Exit|Interrupt)(?:\[[^\]]*\])?(?::|$)|mirage: error:)"
                          r"|out of memory|Killed", re.I)
+_BARE = re.compile(r"^[\w.]+$")  # an exception with no message: `assert x` raises AssertionError
 _NOISE = re.compile(r"ChildFailedError|^torch\.distributed\.elastic|^mirage: \[\w+\] exited")
+_MARKERS = re.compile(r"^[\s^~]*$")  # the ^^^^ under a traceback's code line
 
 
 def failure_reason(log: str, exit_code: int) -> str:
     """The line that says why a run failed: each rank's last error line (a traceback's last line,
-    an OutOfMemoryError, a mirage usage error), and of those the one printed first (the rank
-    that failed first; the others usually fail because it did). Else the log's last line."""
+    an OutOfMemoryError, a mirage usage error; an exception with no message, such as a failed
+    assert's, with the code line that raised it), and of those the one printed first (the rank
+    that failed first; the others usually fail because it did). Else the workload's last line.
+    mirage's timing report, which ends the log, is left out."""
+    log = log.split("\nmirage: predicted timing on ", 1)[0]
+    by_rank: dict[str, list[str]] = {}
     last_by_rank: dict[str, tuple[int, str]] = {}
-    lines = log.splitlines()
-    for number, raw in enumerate(lines):
+    for number, raw in enumerate(log.splitlines()):
         prefix = _RANK_PREFIX.match(raw)
         rank = raw[:prefix.end()].split("]")[0] if prefix else ""
         line = raw[prefix.end() if prefix else 0:].strip()
+        seen = by_rank.setdefault(rank, [])
         if _ERROR_LINE.search(line) and not _NOISE.search(line):
+            if _BARE.match(line):
+                code = next((earlier for earlier in reversed(seen) if not _MARKERS.match(earlier)), "")
+                line += f" ({code})" if code and not code.startswith("File ") else ""
             last_by_rank[rank] = (number, line)
+        seen.append(line)
     if last_by_rank:
         line = min(last_by_rank.values())[1]
     else:
-        meaningful = [raw.strip() for raw in lines if raw.strip() and not raw.startswith("  ")]
-        line = meaningful[-1] if meaningful else "no output"
+        own = [line for lines in by_rank.values() for line in lines if line and not line.startswith("mirage:")]
+        line = own[-1] if own else "no output"
     how = f"killed by signal {exit_code - 128}" if exit_code > 128 else f"exit code {exit_code}"
     return f"{how}: {line}"
 
