@@ -183,9 +183,10 @@ class Progress:
     """One line on stderr: a bar, counts and an ETA from the mean time of the runs so far (a line
     per finished point where stderr is no terminal)."""
 
-    def __init__(self, total: int, cached: int, jobs: int, stream=sys.stderr) -> None:
-        self.total, self.done, self.failed, self.jobs, self.stream = total, cached, 0, jobs, stream
-        self.cached, self.walls, self.started = cached, [], time.monotonic()
+    def __init__(self, total: int, cached: list[Outcome], jobs: int, stream=sys.stderr) -> None:
+        self.total, self.done, self.jobs, self.stream = total, len(cached), jobs, stream
+        self.cached, self.failed = len(cached), sum(outcome.reason is not None for outcome in cached)
+        self.walls, self.started = [], time.monotonic()
         self.tty = stream.isatty()
 
     def finished(self, point: Point, outcome: Outcome) -> None:
@@ -254,7 +255,7 @@ def run_points(points: list[Point], cache: Path, jobs: int, retry_failed: bool) 
             outcomes[point.index] = cached
         else:
             queue.append((point, key))
-    progress = Progress(len(points), len(outcomes), jobs)
+    progress = Progress(len(points), list(outcomes.values()), jobs)
     if queue:
         print(f"mirage plan: {len(queue)} of {len(points)} points to run ({len(outcomes)} cached in {cache}), "
               f"{jobs} at a time", file=sys.stderr, flush=True)
