@@ -131,6 +131,11 @@ def test_plan_ranks_points_by_their_predictions_caches_them_and_reports_failures
         assert line.startswith(f"  batch=32768 profile={profile}: exit code 1: torch.OutOfMemoryError: "
                                f"{api} out of memory. Tried to allocate 256.00 GiB."), line
 
+    # The profile as a fixed flag, spelt another way, where it was an axis: the same points, cached.
+    third = plan(tmp_path, script, record, "--axis", "batch={2,4}", "--profile=mi300x", "--tokens-per-step", TOKENS)
+    assert third.returncode == 0, third.stderr
+    assert "all 2 points cached" in third.stderr and len(sessions_run(record)) == 8
+
 
 @pytest.mark.parametrize("args, fix", [
     (["--axis", "batch={}"], "the template names no value; list them: --axis 'batch={1,2,4}'"),

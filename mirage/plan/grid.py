@@ -48,6 +48,7 @@ class Point:
     index: int  # in grid order (the product of the axes, the first axis slowest)
     values: dict[str, str]
     flags: list[str]  # mirage run flags, placeholders filled
+    options: dict  # those flags parsed (what the cache key holds: their order and spelling do not count)
     command: list[str]  # the user's command, placeholders filled
     profile: profiles.Profile
     tokens_per_step: float | None
@@ -181,7 +182,7 @@ def expand(axes: list[Axis], run_flags: list[str], command: list[str], tokens_ex
             except profiles.ProfileError as err:
                 raise GridError(f"at {label}: {err}") from None
         tokens_per_step = tokens(tokens_expression, values, label) if tokens_expression else None
-        points.append(Point(index, values, flags, [fill(token, values) for token in command],
+        points.append(Point(index, values, flags, vars(args), [fill(token, values) for token in command],
                             loaded[args.profile], tokens_per_step))
     return points
 

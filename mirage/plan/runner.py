@@ -3,12 +3,13 @@ own, several at once, each result cached under its configuration.
 
 * The same launcher as a user's run (a `python -m mirage run` subprocess), so a point predicts
   what that run would, and each point is a mirage session with its own teardown and reaper.
-* The cache key is a digest of everything that decides a point's result: its full `mirage run`
-  command line, the working directory, the contents of the scripts and config files that command
-  line names (grid.input_files) and of the profile's TOML, mirage's own sources and the
-  native parts' build keys. A grid with one more axis value runs only the points it lacks; a
-  changed script runs them all again. The caller's environment is not in it: what varies goes
-  through --env.
+* The cache key is a digest of everything that decides a point's result: its `mirage run` flags
+  as parsed (`--profile h100` given as a flag or set by an axis is the same point) and command,
+  the working directory, the contents of the scripts and config files that command line names
+  (grid.input_files) and of the profile's TOML, mirage's own sources and the native parts'
+  build keys. A grid with one more axis value, or a new axis over what was a fixed flag, runs
+  only the points it lacks; a changed script runs them all again. The caller's environment is
+  not in it: what varies goes through --env.
 * A killed plan leaves no session: each run is started with the kernel's parent-death signal set
   to SIGKILL (a run killed that way is reclaimed by its session's reaper, as any SIGKILLed
   `mirage run` is), SIGINT/SIGTERM/SIGHUP stop the runs with SIGTERM (a second signal kills
@@ -80,9 +81,9 @@ def run_argv(point: Point, summary_path: str) -> list[str]:
 
 
 def cache_key(point: Point, sources: str) -> str:
-    argv = run_argv(point, "SUMMARY")
     named = input_files(point.flags, point.command) + [point.profile.path.resolve()]
-    material = {"version": CACHE_VERSION, "argv": argv[1:], "python": sys.executable, "cwd": os.getcwd(),
+    material = {"version": CACHE_VERSION, "options": point.options, "command": point.command,
+                "python": sys.executable, "cwd": os.getcwd(),
                 "files": {str(p): _digest_file(p) for p in sorted(set(named))}, "mirage": sources}
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:24]
 
