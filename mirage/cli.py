@@ -6,6 +6,9 @@ Usage:
                [--isolate-nodes | --no-isolate-nodes] [--node-hostname PATTERN] [--image NAME]
                [--lazy-device-memory] [--env K=V]... [--workdir DIR] [--clear-env-vars] [--no-fork-server]
                -- CMD ARGS...
+    mirage plan --axis NAME={V1,V2,...}... [--jobs N] [--tokens-per-step EXPR] [--price-per-gpu-hour P]
+                [--json] [--cache DIR] [run flags] -- CMD ARGS with {NAME}...
+                                               rank a grid of configurations by predicted throughput
     mirage node [--rdzv-port P] [--rdzv-timeout S] [run flags] -- CMD ARGS...
                                                once per host, under Slurm's srun: one cluster
     mirage ps [--json]                         live sessions
@@ -36,7 +39,7 @@ import sys
 from dataclasses import asdict
 
 import mirage
-from mirage import launcher, profiles
+from mirage import launcher, plan, profiles
 from mirage.shim import build as shim_build
 from mirage.launcher import cluster, nodes, sessions
 
@@ -132,6 +135,12 @@ def _build_parser() -> _Parser:
     run.add_argument("--clear-env-vars", action="store_true",
                      help="start from an almost empty environment (PATH, HOME, USER, LANG, ...)")
 
+    planned = commands.add_parser("plan", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                  usage="mirage plan --axis NAME={V1,V2,...} [...] [plan flags] [mirage run flags] "
+                                        "-- CMD ARGS",
+                                  help="rank a grid of configurations of a program by predicted throughput",
+                                  description=plan.DESCRIPTION)
+    plan.add_arguments(planned)
     node = commands.add_parser("node", allow_abbrev=False,
                                help="this host's share of a cluster across hosts (once per host, under srun)",
                                description="Takes every `mirage run` flag, plus these; --num-nodes counts the "
@@ -295,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         except launcher.LaunchError as err:
             print(f"mirage: {err}", file=sys.stderr)
             return 1
+    if argv and argv[0] == "plan":
+        subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+        return plan.main(argv[1:], subcommands["plan"], subcommands["run"])
     if argv and argv[0] == "exec":
         flags, command = _split_command(argv[1:])
         if not command:
