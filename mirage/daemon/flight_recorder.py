@@ -1,6 +1,6 @@
 """The flight recorder: every rank's collectives, per process group, in order.
 
-The emulated NCCL backend (mirage/nccl/backend.cpp), which every collective passes whoever
+The emulated NCCL backend (mirage/nccl/flight_recorder.cpp), which every collective passes whoever
 issues it (Python, DDP's reducer, FSDP), sends an entry when an operation starts ("enter") and
 when it completes ("exit"): the group's name and communicator instance, sequence number, op,
 dtype, shapes, bytes, reduce op. Entries are keyed by the communicator instance, not the group's

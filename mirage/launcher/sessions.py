@@ -25,7 +25,8 @@ from pathlib import Path
 from mirage.daemon import shared_table
 from mirage.daemon.protocol import SOCKET_NAME
 from mirage.daemon.service import request
-from mirage.launcher import RUN_PID_NAME, containers, containment, nodes, process_start_time, runtime_root
+from mirage.launcher import containers, containment, nodes
+from mirage.launcher.run import RUN_PID_NAME, process_start_time, runtime_root
 from mirage.launcher.supervisor import session_processes
 from mirage.shim.build import cache_root
 

@@ -77,5 +77,5 @@ def attach() -> None:
 
 def connection_fd() -> int | None:
     """The session connection's file descriptor, where the emulated NCCL backend writes its
-    flight-recorder lines (mirage/nccl/backend.cpp); None outside a session."""
+    flight-recorder lines (mirage/nccl/flight_recorder.cpp); None outside a session."""
     return _connection.fileno() if _connection is not None else None

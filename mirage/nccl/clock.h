@@ -1,0 +1,27 @@
+// Clocked mode's half in the emulated NCCL: the shim's predicted timeline, which collectives
+// and point-to-point transfers are placed on (clock.cpp: the communicator's streams, the
+// collective's size as nccl-tests count it, and where each operation ends).
+#pragma once
+
+#include <cstdint>
+
+namespace mirage::nccl {
+
+// The shim's predicted timeline (mirage/shim/device_clock.h's C interface), found through dlsym as
+// the arena is: the shim is loaded with RTLD_GLOBAL before this module, which must also import
+// without it (its build imports it). Without clocked mode (or the shim) `on` is false.
+struct ShimClock {
+  int (*enabled)() = nullptr;
+  int64_t (*new_stream)() = nullptr;
+  int64_t (*ready)(int, int64_t) = nullptr;
+  int64_t (*collective)(int, int64_t, int64_t, int64_t, const char*, int64_t) = nullptr;
+  void (*current_stream_waits)(int, int64_t) = nullptr;
+  int64_t (*cost_ns)(int, int64_t, int, int, double) = nullptr;
+  double (*link_slowdown)(const int64_t*, int) = nullptr;
+  bool on = false;
+
+  static const ShimClock& get();
+};
+inline const ShimClock& shim_clock() { return ShimClock::get(); }
+
+}  // namespace mirage::nccl
