@@ -273,13 +273,13 @@ def backward(torch: ModuleType, query: Any, key: Any, value: Any, grad_out: Any,
                 outputs.append(logsumexp)
                 grads.append(grad_logsumexp[:, :, rows].to(call.work) / _LN2)
             inputs = [q, k, v, *(buffers[i] for i in differentiable)]
-            got = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+            got = [torch.zeros_like(x) if g is None else g  # a score_mod that ignores the score: no gradient
+                   for x, g in zip(inputs, torch.autograd.grad(outputs, inputs, grads, allow_unused=True))]
             dq[:, :, rows] = got[0].to(dq.dtype)
             _scatter_add(torch, call, dk_sum, block.tokens, got[1])
             _scatter_add(torch, call, dv_sum, block.tokens, got[2])
             for i, g in zip(differentiable, got[3:]):
-                if g is not None:
-                    buffer_sums[i] += g
+                buffer_sums[i] += g
     dk.copy_(dk_sum)
     dv.copy_(dv_sum)
     grads = tuple(buffer_sums[i].to(score_buffers[i].dtype).contiguous() if i in buffer_sums
@@ -365,8 +365,13 @@ class HostOps:
         if node.target is hop.flex_attention:
             query, key, value, score_mod, block_mask, scale, _options, *buffers = node.args
         else:
-            query, key, value, _out, _lse, grad_out, grad_lse, score_mod, _joint, block_mask, scale, _options, \
+            query, key, value, _out, _lse, grad_out, grad_lse, score_mod, joint, block_mask, scale, _options, \
                 *buffers = node.args
+            _reject_as_on_cuda(_submodule(gm, joint))
+        head_dims = (query.meta["val"].size(-1), value.meta["val"].size(-1))
+        if min(head_dims) < 16:  # Triton's tl.dot: inductor's CUDA lowering of both ops refuses it
+            raise NotImplementedError(f"NYI: embedding dimension of the query, key, and value must be at least 16 "
+                                      f"but got E={head_dims[0]} and Ev={head_dims[1]}")
         score_buffers, mask_buffers = (list(buffers[0]) if buffers else []), (list(buffers[1]) if len(buffers) > 1 else [])
         for buffer in score_buffers + mask_buffers:
             if not isinstance(buffer.meta.get("val"), torch.Tensor):
@@ -382,6 +387,15 @@ class HostOps:
         else:
             node.target, node.args = self.backward_op, (query, key, value, grad_out, grad_lse, *common)
         node.kwargs = {}
+
+
+def _reject_as_on_cuda(joint: Any) -> None:
+    """The check inductor's CUDA lowering of flex_attention_backward makes of score_mod's joint
+    graph (a buffer that wants a gradient indexed twice), with its error."""
+    from torch._inductor.kernel.flex.flex_attention import validate_joint_graph
+
+    joint.graph.eliminate_dead_code()
+    validate_joint_graph(joint.graph)
 
 
 def _submodule(gm: Any, node: Any) -> Any:
