@@ -22,6 +22,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from fsdp_reference import train_like_one_device
+
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 device = torch.device("cuda", torch.cuda.current_device())
@@ -74,30 +76,12 @@ def transformer(dense: bool = False) -> nn.Sequential:
 torch.manual_seed(1)
 inputs, targets = torch.randn(world * 2, LENGTH, WIDTH), torch.randn(world * 2, LENGTH, 1)
 reference = transformer(dense=True)
-ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
 model = transformer()
 for block in model[:2]:
     block.compile()
     fully_shard(block)
 fully_shard(model)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-shard = slice(rank * 2, (rank + 1) * 2)
-losses = []
-for step in range(3):
-    loss = nn.functional.mse_loss(model(inputs[shard].to(device)), targets[shard].to(device))
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    global_loss = loss.detach().clone()
-    dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
-    ref_loss = nn.functional.mse_loss(reference(inputs.to(device)), targets.to(device))
-    ref_opt.zero_grad()
-    ref_loss.backward()
-    ref_opt.step()
-    torch.testing.assert_close(global_loss.cpu(), ref_loss.detach().cpu(), rtol=1e-4, atol=1e-5)
-    losses.append(round(ref_loss.item(), 4))
-for sharded, whole in zip(model.parameters(), reference.parameters(), strict=True):
-    torch.testing.assert_close(sharded.full_tensor(), whole.detach(), rtol=1e-4, atol=1e-5)
+losses = train_like_one_device(model, reference, inputs, targets, rank, world, steps=3)
 if rank == 0:
     print(f"ok fsdp2 with compiled blocks and compiled flex attention: losses {losses} equal one device's")
 
