@@ -390,12 +390,33 @@ class HostOps:
 
 
 def _reject_as_on_cuda(joint: Any) -> None:
-    """The check inductor's CUDA lowering of flex_attention_backward makes of score_mod's joint
-    graph (a buffer that wants a gradient indexed twice), with its error."""
+    """The checks inductor's CUDA lowering of flex_attention_backward makes of score_mod's joint
+    graph, with its errors: a buffer that wants a gradient indexed twice (torch's own check), and
+    a score_mod whose result does not depend on the score (no gradient for it: the lowering's
+    assertion, which an H200 with torch 2.11 raised for `score > 0`)."""
     from torch._inductor.kernel.flex.flex_attention import validate_joint_graph
 
     joint.graph.eliminate_dead_code()
     validate_joint_graph(joint.graph)
+    if _no_score_gradient(joint):
+        raise AssertionError("joint_subgraph_buffer is None - this is a bug!")
+
+
+def _no_score_gradient(joint: Any) -> bool:
+    """Whether score_mod's joint graph gives no gradient for the score (its first output)."""
+    output = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
+    return output.args[0][0] is None
+
+
+def _raise_as_torchs_reference(torch: ModuleType, joint: Any, query: Any, buffers: tuple) -> None:
+    """A score_mod that gives the score no gradient fails in torch's eager backward (on CUDA too)
+    where it vmaps the joint graph: that vmap, on one element, raises torch's error."""
+    from torch.nn.attention.flex_attention import _vmap_for_bhqkv
+
+    rest = (None,) * len(buffers)
+    vmapped = _vmap_for_bhqkv(joint, prefix=(0,), suffix=(0,) + rest, out_dims=[0, None, None, None, None, *rest])
+    one, index = query.new_zeros(1, 1, 1, 1, dtype=torch.float32), torch.zeros(1, dtype=torch.int, device=query.device)
+    vmapped(one, index, index, index, index, one, *buffers)
 
 
 def _submodule(gm: Any, node: Any) -> Any:
@@ -421,6 +442,8 @@ def install(torch: ModuleType) -> None:
     def eager_backward(query: Any, key: Any, value: Any, out: Any, logsumexp: Any, grad_out: Any, grad_logsumexp: Any,
                        fw_graph: Callable, joint_graph: Callable, block_mask: tuple, scale: float, kernel_options: dict,
                        score_mod_other_buffers: tuple = (), mask_mod_other_buffers: tuple = ()) -> tuple:
+        if isinstance(joint_graph, torch.fx.GraphModule) and _no_score_gradient(joint_graph):
+            _raise_as_torchs_reference(torch, joint_graph, query, score_mod_other_buffers)
         wanted = [isinstance(b, torch.Tensor) and b.requires_grad for b in score_mod_other_buffers]
         return backward(torch, query, key, value, grad_out, grad_logsumexp, fw_graph, block_mask, scale,
                         score_mod_other_buffers, mask_mod_other_buffers, wanted)

@@ -236,3 +236,14 @@ def test_what_inductors_cuda_lowering_rejects_is_rejected_with_its_error():
     assert str(error).startswith("Using multiple indexing operations on the same tensor that requires gradients")
     error = rejected(None, causal({}), "inductor", head_dim=8)
     assert "NYI: embedding dimension of the query, key, and value must be at least 16" in str(error)
+
+
+def test_a_score_mod_that_gives_the_score_no_gradient_fails_in_training_as_on_cuda():
+    """`score > 0` leaves the score no gradient. On an H200 (torch 2.11) the compiled call failed in
+    inductor's lowering (AssertionError "joint_subgraph_buffer is None - this is a bug!") and the
+    uncompiled one in torch's dense backward (a ValueError of vmap: the joint graph "must only
+    return Tensors"); torch 2.13's lowering makes the same assertion."""
+    error = rejected(lambda s, b, h, q, kv: s > 0, causal({}), "inductor")
+    assert "joint_subgraph_buffer is None - this is a bug!" in str(error)
+    error = rejected(lambda s, b, h, q, kv: s > 0, causal({}), "aot_eager")
+    assert isinstance(error, ValueError) and "must only return Tensors" in str(error)
