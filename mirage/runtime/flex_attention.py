@@ -93,7 +93,8 @@ def _call(torch: ModuleType, query: Any, key: Any, value: Any, score_mod: Callab
 class _Block:
     """A query block's rows and the KV positions its BlockMask row lists for each (batch, head)."""
 
-    rows: Any  # [R] query positions
+    span: slice  # its query positions
+    rows: Any  # [R] the same, on the device
     tokens: Any  # [B, H, L] KV positions, clamped into range
     valid: Any  # [B, H, L] listed and inside the sequence
     partial: int  # the first `partial` of the L positions are in partial blocks: mask_mod applies
@@ -111,7 +112,8 @@ def _blocks(torch: ModuleType, call: _Call):
     widest_full = ([0] * count if call.full_num is None else call.full_num[..., :count].amax(dim=(0, 1)).tolist())
     offsets = torch.arange(call.kv_block, device=device)
     for i in range(count):
-        rows = torch.arange(i * call.q_block, min((i + 1) * call.q_block, q_len), device=device)
+        span = slice(i * call.q_block, min((i + 1) * call.q_block, q_len))
+        rows = torch.arange(span.start, span.stop, device=device)
         parts = []
         for num, indices, width in ((call.kv_num, call.kv_indices, widest_partial[i]),
                                     (call.full_num, call.full_indices, widest_full[i])):
@@ -122,11 +124,11 @@ def _blocks(torch: ModuleType, call: _Call):
             valid = listed[..., None] & (tokens < kv_len)
             parts.append((tokens.flatten(2), valid.flatten(2)))
         if not parts:
-            yield _Block(rows, None, None, 0)
+            yield _Block(span, rows, None, None, 0)
             continue
         tokens = torch.cat([p[0] for p in parts], dim=2) if len(parts) > 1 else parts[0][0]
         valid = torch.cat([p[1] for p in parts], dim=2) if len(parts) > 1 else parts[0][1]
-        yield _Block(rows, tokens.clamp(0, kv_len - 1), valid, widest_partial[i] * call.kv_block)
+        yield _Block(span, rows, tokens.clamp(0, kv_len - 1), valid, widest_partial[i] * call.kv_block)
 
 
 def _gather(torch: ModuleType, call: _Call, tensor: Any, tokens: Any) -> Any:
@@ -210,7 +212,7 @@ def forward(torch: ModuleType, query: Any, key: Any, value: Any, score_mod: Call
                                                     (), scale, {}, score_buffers, mask_buffers)
     with torch.no_grad():
         for block in _blocks(torch, call):
-            rows = slice(int(block.rows[0]), int(block.rows[0]) + block.rows.numel())
+            rows = block.span
             if block.tokens is None:
                 out[:, :, rows] = 0
                 logsumexp[:, :, rows] = -math.inf
@@ -257,7 +259,7 @@ def backward(torch: ModuleType, query: Any, key: Any, value: Any, grad_out: Any,
     buffer_sums = {i: torch.zeros_like(score_buffers[i], dtype=call.work) for i in differentiable}
     with _plain_dispatch(torch), torch.enable_grad():
         for block in _blocks(torch, call):
-            rows = slice(int(block.rows[0]), int(block.rows[0]) + block.rows.numel())
+            rows = block.span
             if block.tokens is None or grad_out is None and grad_logsumexp is None:
                 dq[:, :, rows] = 0
                 continue
