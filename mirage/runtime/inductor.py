@@ -35,7 +35,7 @@ import threading
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
-from mirage.runtime import import_hooks, timing
+from mirage.runtime import flex_attention, import_hooks, timing
 
 _COMPILE_FX = "torch._inductor.compile_fx"
 # collectives run on the device: the group's backend for the device is the emulated NCCL
@@ -126,21 +126,27 @@ def _output_devices(gm: Any, torch: ModuleType) -> list[int]:
     return devices
 
 
-def _move_graph_to_host(gm: Any, device_ops: _DeviceOps, torch: ModuleType) -> None:
-    """Rewrites device arguments to "cpu", and device-only operators and collectives to their
-    host-callable twins."""
+def _move_graph_to_host(gm: Any, device_ops: _DeviceOps, flex_ops: flex_attention.HostOps,
+                        torch: ModuleType) -> None:
+    """Rewrites device arguments to "cpu", device-only operators and collectives to their
+    host-callable twins, and FlexAttention's ops to mirage's block-sparse host operators (inductor's
+    CPU template for them is forward-only: flex_attention.py)."""
     from torch.utils._pytree import tree_map
 
     def to_host(value: Any) -> Any:
         return torch.device("cpu") if _is_device(value, torch) else value
 
     graphsafe_rng = torch._prims.rng_prims.graphsafe_run_with_rng_state
-    for node in gm.graph.nodes:
+    flex_hops = (torch.ops.higher_order.flex_attention, torch.ops.higher_order.flex_attention_backward)
+    for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
         node.args = tree_map(to_host, node.args)
         node.kwargs = tree_map(to_host, node.kwargs)
         target = node.target
+        if target in flex_hops:
+            flex_ops.rewrite(gm, node, _node_device(node, torch))
+            continue
         if target is graphsafe_rng and not _has_host_kernel(node.args[0], torch):
             # A random op whose recomputation (activation checkpointing) replays the device
             # generator's state: the op itself runs on host views, as a node of its own would.
@@ -149,6 +155,9 @@ def _move_graph_to_host(gm: Any, device_ops: _DeviceOps, torch: ModuleType) -> N
         if isinstance(target, torch._ops.OpOverload) and (target.namespace in _COLLECTIVE_NAMESPACES
                                                           or not _has_host_kernel(target, torch)):
             node.target = device_ops.twin(target, _node_device(node, torch))
+    for node in list(gm.graph.nodes):  # the subgraphs of rewritten flex nodes
+        if node.op == "get_attr" and not node.users:
+            gm.graph.erase_node(node)
     gm.recompile()
 
 
@@ -408,7 +417,7 @@ def _with_cuda_graphs(host_graph: HostCompiledGraph, info: dict[str, Any], compi
 
 
 def _host_compile(inner_compile: Callable, device_ops: _DeviceOps, captured_calls: _CapturedCalls,
-                  torch: ModuleType) -> Callable:
+                  flex_ops: flex_attention.HostOps, torch: ModuleType) -> Callable:
     def compile_for_host(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
         device = _first_device(example_inputs, torch)
         if device is None and not any(isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_cuda
@@ -435,7 +444,7 @@ def _host_compile(inner_compile: Callable, device_ops: _DeviceOps, captured_call
             kwargs = {**kwargs, "cudagraphs": BoxedBool(False)}
         fake_mode = detect_fake_mode(example_inputs)
         host_inputs = [_host_fake(v, torch, fake_mode) for v in example_inputs]
-        _move_graph_to_host(gm, device_ops, torch)
+        _move_graph_to_host(gm, device_ops, flex_ops, torch)
         FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*host_inputs)
         cost = _graph_cost(gm, torch) if timing.enabled() else None
         compiled = inner_compile(gm, host_inputs, **kwargs)
@@ -472,13 +481,13 @@ def _patch(compile_fx_module: ModuleType, torch: ModuleType) -> None:
     # Their operator libraries are registered at the first compilation, not here: every process
     # of a fork server's session runs this (inductor is preloaded there), and registering them
     # writes to the dispatcher's tables, pages a forked child would copy.
-    helpers: list[tuple[_DeviceOps, _CapturedCalls]] = []
+    helpers: list[tuple[_DeviceOps, _CapturedCalls, flex_attention.HostOps]] = []
     _graphsafe_rng_on_host_views(torch)
 
     @functools.wraps(original)
     def compile_fx(model: Any, example_inputs: Any, inner_compile: Callable = default_inner, **kwargs: Any) -> Any:
         if not helpers:
-            helpers.append((_DeviceOps(torch), _CapturedCalls(torch)))
+            helpers.append((_DeviceOps(torch), _CapturedCalls(torch), flex_attention.HostOps(torch)))
         if not getattr(inner_compile, "_mirage_host", False):
             inner_compile = _host_compile(inner_compile, *helpers[0], torch)
             inner_compile._mirage_host = True
@@ -497,4 +506,5 @@ def _no_triton_warning(record: logging.LogRecord) -> bool:
 def install(torch: ModuleType) -> None:
     """Arms the compile_fx patch (or applies it, if inductor is already loaded)."""
     logging.getLogger("torch.utils.flop_counter").addFilter(_no_triton_warning)
+    import_hooks.after_import("torch._higher_order_ops.flex_attention", lambda module: flex_attention.install(torch))
     import_hooks.after_import(_COMPILE_FX, lambda module: _patch(module, torch))
