@@ -4,7 +4,8 @@
 
 For each case it asks the model of the case's profile (in a `mirage run --timing --profile P`
 process, with the case's tuning where its system differs from the profile, e.g. its NIC) for the
-predicted time of the same GEMM, fused attention, streaming kernel or collective, turns it into the unit the source
+predicted time of the same GEMM, fused attention, streaming kernel or collective (or how much
+slower a GEMM runs beside a collective), turns it into the unit the source
 reports (TFLOP/s, GB/s, nccl-tests busbw) and prints the error. Cases in the calibration set are
 those the profiles' [timing] numbers were taken from; the held-out set's median error is the
 figure of merit. Runs in seconds: nothing is computed on this machine but the model.
@@ -38,6 +39,10 @@ def predict(cases: list[dict]) -> list[float]:
         if case["kind"] == "gemm":
             ns = torch.ops.mirage.clock_predict_gemm_ns(case["m"], case["n"], case["k"], getattr(torch, case["dtype"]))
             out.append(2 * case["m"] * case["n"] * case["k"] / ns / 1e3)  # TFLOP/s
+        elif case["kind"] == "overlap":
+            shape = (case["m"], case["n"], case["k"], getattr(torch, case["dtype"]))
+            beside = torch.ops.mirage.clock_predict_gemm_beside_collective_ns(*shape)
+            out.append(beside / torch.ops.mirage.clock_predict_gemm_ns(*shape))  # x slower beside a collective
         elif case["kind"] == "stream":
             out.append(case["bytes"] / torch.ops.mirage.clock_predict_stream_ns(case["bytes"]))  # GB/s
         elif case["kind"] == "attention":
@@ -80,6 +85,8 @@ def run_predictions(cases: list[dict]) -> list[float]:
 def describe(case: dict) -> str:
     if case["kind"] == "gemm":
         return f"GEMM {case['m']}x{case['n']}x{case['k']} {case['dtype']}"
+    if case["kind"] == "overlap":
+        return f"GEMM {case['m']}x{case['n']}x{case['k']} {case['dtype']} beside a collective"
     if case["kind"] == "stream":
         return f"streaming kernel, {case['bytes'] / 2**20:.0f} MiB moved"
     if case["kind"] == "attention":
@@ -89,8 +96,8 @@ def describe(case: dict) -> str:
     return f"{case['op']} {case['bytes'] / 2**20:.0f} MiB, {where}"
 
 
-UNIT = {"gemm": "TFLOP/s", "attention": "TFLOP/s", "stream": "GB/s", "collective": "busbw GB/s"}
-GROUP = {"gemm": "gemm", "attention": "attention", "stream": "memory", "collective": "collective"}
+UNIT = {"overlap": "x slower", "gemm": "TFLOP/s", "attention": "TFLOP/s", "stream": "GB/s", "collective": "busbw GB/s"}
+GROUP = {"overlap": "overlap", "gemm": "gemm", "attention": "attention", "stream": "memory", "collective": "collective"}
 
 
 def table(cases: list[dict], predicted: list[float]) -> tuple[str, dict]:
@@ -101,7 +108,7 @@ def table(cases: list[dict], predicted: list[float]) -> tuple[str, dict]:
         group = GROUP[case["kind"]]
         errors.setdefault((case["set"], group), []).append(abs(error))
         rows.append(f"| {case['id']} | {case['set']} | {case['profile']} | {describe(case)} | {case['value']:g} "
-                    f"{UNIT[case['kind']]} | {value:.1f} | {100 * error:+.1f}% | {case['source']} |")
+                    f"{UNIT[case['kind']]} | {value:.{2 if case['kind'] == 'overlap' else 1}f} | {100 * error:+.1f}% | {case['source']} |")
     summary = {f"{s} {g}": {"cases": len(e), "median_abs_error": statistics.median(e)} for (s, g), e in sorted(errors.items())}
     held = [abs((v - c["value"]) / c["value"]) for c, v in zip(cases, predicted) if c["set"] == "held-out"]
     summary["held-out all"] = {"cases": len(held), "median_abs_error": statistics.median(held)}
