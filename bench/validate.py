@@ -115,6 +115,40 @@ def table(cases: list[dict], predicted: list[float]) -> tuple[str, dict]:
     return "\n".join(rows), summary
 
 
+def e2e_table(rows: list[dict]) -> str:
+    """The fixed end-to-end set as a table: configuration, published figures, where each row stands."""
+    out = ["| id | trainer | GPUs | model | parallelism | seq x micro-batch x accum. | AC | precision | published tok/s/GPU "
+           "| peak GiB | like for like | status |", "|---|---|---|---|---|---|---|---|---:|---:|---|---|"]
+    for r in rows:
+        par = ", ".join(f"{k.upper()} {r[k]}" for k in ("fsdp", "dp", "tp", "pp", "cp") if r.get(k, 1) > 1) or "1 GPU"
+        batch = f"{r['seq'] or 'varies'} x {r['micro_batch'] or '?'} x {r['accumulate'] or '?'}"
+        precision = r["precision"] + (", compiled" if r["compile"] else "")
+        like = ("yes" if r["like_for_like"] else "no") + (f": {r['note']}" if r.get("note") else "")
+        status = r["status"] + (f"; previous: {r['previous']}" if r.get("previous") else "")
+        out.append(f"| {r['id']} | {r['group']} | {r['gpus']}x {r['profile']} ({r['nodes']} node{'s' if r['nodes'] > 1 else ''}) "
+                   f"| {r['model']} | {par} | {batch} | {r['ac']} | {precision} | {r['tokens_per_s_per_gpu']:,} "
+                   f"| {r.get('peak_memory_gib', '')} | {like} | {status} |")
+    like = [r for r in rows if r["like_for_like"]]
+    summary = [f"\n\n{len(rows)} rows, {len(like)} like for like ({sum(r['nodes'] > 1 for r in like)} multi-node, "
+               f"{sum(r['ac'] == 'none' for r in like)} without activation checkpointing). Sources:\n"]
+    for publication in dict.fromkeys(r["source"][:40] for r in rows):
+        members = [r for r in rows if r["source"][:40] == publication]
+        common = os.path.commonprefix([r["source"] for r in members])
+        common = common[:common.rfind(", ") if len(members) > 1 and ", " in common else len(common)]
+        ids = members[0]["id"] + (f"-{members[-1]['id']}" if len(members) > 1 else "")
+        summary.append(f"- {ids}: {common}")
+    return "\n".join(out) + "\n".join(summary)
+
+
+def write_block(path: Path, name: str, block: str) -> None:
+    """Replaces the text between `<!-- NAME:begin -->` and `<!-- NAME:end -->` in `path`."""
+    text = path.read_text()
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    head, _, rest = text.partition(begin)
+    _, _, tail = rest.partition(end)
+    path.write_text(f"{head}{begin}\n{block}\n{end}{tail}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--write", metavar="PATH", help="also write the table into this markdown file (between markers)")
@@ -126,22 +160,20 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("MIRAGE_SESSION"):
         print("bench/validate.py starts mirage itself: run it with plain python", file=sys.stderr)
         return 2
-    cases = tomllib.loads(CASES.read_text())["case"]
+    listed = tomllib.loads(CASES.read_text())
+    cases = listed["case"]
     predicted = run_predictions(cases)
     rows, summary = table(cases, predicted)
     print(rows)
     for name, s in summary.items():
         print(f"{name:<24} {s['cases']:>3} cases, median |error| {100 * s['median_abs_error']:.1f}%")
+    e2e = e2e_table(listed["e2e"])
+    print(e2e)
     if args.write:
-        path = Path(args.write)
-        text = path.read_text()
-        begin, end = "<!-- validate.py:begin -->", "<!-- validate.py:end -->"
         lines = [f"- {name}: {s['cases']} cases, median |error| **{100 * s['median_abs_error']:.1f}%**"
                  for name, s in summary.items()]
-        block = f"{begin}\n{rows}\n\n" + "\n".join(lines) + f"\n{end}"
-        head, _, rest = text.partition(begin)
-        _, _, tail = rest.partition(end)
-        path.write_text(head + block + tail)
+        write_block(Path(args.write), "validate.py", f"{rows}\n\n" + "\n".join(lines))
+        write_block(Path(args.write), "validate.py e2e", e2e)
     return 0
 
 
