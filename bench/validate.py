@@ -118,19 +118,28 @@ def table(cases: list[dict], predicted: list[float]) -> tuple[str, dict]:
 def e2e_table(rows: list[dict]) -> str:
     """The fixed end-to-end set as a table: configuration, published figures, where each row stands."""
     out = ["| id | trainer | GPUs | model | parallelism | seq x micro-batch x accum. | AC | precision | published tok/s/GPU "
-           "| peak GiB | like for like | status |", "|---|---|---|---|---|---|---|---|---:|---:|---|---|"]
+           "| peak GiB | predicted tok/s/GPU | error | like for like | status |",
+           "|---|---|---|---|---|---|---|---|---:|---:|---:|---:|---|---|"]
+    errors = []
     for r in rows:
         par = ", ".join(f"{k.upper()} {r[k]}" for k in ("fsdp", "dp", "tp", "pp", "cp") if r.get(k, 1) > 1) or "1 GPU"
         batch = f"{r['seq'] or 'varies'} x {r['micro_batch'] or '?'} x {r['accumulate'] or '?'}"
         precision = r["precision"] + (", compiled" if r["compile"] else "")
         like = ("yes" if r["like_for_like"] else "no") + (f": {r['note']}" if r.get("note") else "")
         status = r["status"] + (f"; previous: {r['previous']}" if r.get("previous") else "")
+        predicted, error = r.get("predicted_tokens_per_s_per_gpu"), ""
+        if predicted:
+            error = f"{100 * (predicted / r['tokens_per_s_per_gpu'] - 1):+.1f}%"
+            if r["like_for_like"]:
+                errors.append(predicted / r["tokens_per_s_per_gpu"] - 1)
         out.append(f"| {r['id']} | {r['group']} | {r['gpus']}x {r['profile']} ({r['nodes']} node{'s' if r['nodes'] > 1 else ''}) "
                    f"| {r['model']} | {par} | {batch} | {r['ac']} | {precision} | {r['tokens_per_s_per_gpu']:,} "
-                   f"| {r.get('peak_memory_gib', '')} | {like} | {status} |")
+                   f"| {r.get('peak_memory_gib', '')} | {f'{predicted:,.0f}' if predicted else ''} | {error} | {like} | {status} |")
     like = [r for r in rows if r["like_for_like"]]
     summary = [f"\n\n{len(rows)} rows, {len(like)} like for like ({sum(r['nodes'] > 1 for r in like)} multi-node, "
-               f"{sum(r['ac'] == 'none' for r in like)} without activation checkpointing). Sources:\n"]
+               f"{sum(r['ac'] == 'none' for r in like)} without activation checkpointing); predicted so far: "
+               + (f"{len(errors)} like-for-like rows, median |error| {100 * statistics.median(abs(e) for e in errors):.1f}%, "
+                  f"{sum(e > 0 for e in errors)} of them optimistic" if errors else "none") + ". Sources:\n"]
     for publication in dict.fromkeys(r["source"][:40] for r in rows):
         members = [r for r in rows if r["source"][:40] == publication]
         common = os.path.commonprefix([r["source"] for r in members])
