@@ -4,7 +4,8 @@
 
 For each case it asks the model of the case's profile (in a `mirage run --timing --profile P`
 process, with the case's tuning where its system differs from the profile, e.g. its NIC) for the
-predicted time of the same GEMM, fused attention, streaming kernel or collective, turns it into the unit the source
+predicted time of the same GEMM, fused attention, streaming kernel or collective (or how much
+slower a GEMM runs beside a collective), turns it into the unit the source
 reports (TFLOP/s, GB/s, nccl-tests busbw) and prints the error. Cases in the calibration set are
 those the profiles' [timing] numbers were taken from; the held-out set's median error is the
 figure of merit. Runs in seconds: nothing is computed on this machine but the model.
@@ -38,6 +39,10 @@ def predict(cases: list[dict]) -> list[float]:
         if case["kind"] == "gemm":
             ns = torch.ops.mirage.clock_predict_gemm_ns(case["m"], case["n"], case["k"], getattr(torch, case["dtype"]))
             out.append(2 * case["m"] * case["n"] * case["k"] / ns / 1e3)  # TFLOP/s
+        elif case["kind"] == "overlap":
+            shape = (case["m"], case["n"], case["k"], getattr(torch, case["dtype"]))
+            beside = torch.ops.mirage.clock_predict_gemm_beside_collective_ns(*shape)
+            out.append(beside / torch.ops.mirage.clock_predict_gemm_ns(*shape))  # x slower beside a collective
         elif case["kind"] == "stream":
             out.append(case["bytes"] / torch.ops.mirage.clock_predict_stream_ns(case["bytes"]))  # GB/s
         elif case["kind"] == "attention":
@@ -80,6 +85,8 @@ def run_predictions(cases: list[dict]) -> list[float]:
 def describe(case: dict) -> str:
     if case["kind"] == "gemm":
         return f"GEMM {case['m']}x{case['n']}x{case['k']} {case['dtype']}"
+    if case["kind"] == "overlap":
+        return f"GEMM {case['m']}x{case['n']}x{case['k']} {case['dtype']} beside a collective"
     if case["kind"] == "stream":
         return f"streaming kernel, {case['bytes'] / 2**20:.0f} MiB moved"
     if case["kind"] == "attention":
@@ -89,8 +96,8 @@ def describe(case: dict) -> str:
     return f"{case['op']} {case['bytes'] / 2**20:.0f} MiB, {where}"
 
 
-UNIT = {"gemm": "TFLOP/s", "attention": "TFLOP/s", "stream": "GB/s", "collective": "busbw GB/s"}
-GROUP = {"gemm": "gemm", "attention": "attention", "stream": "memory", "collective": "collective"}
+UNIT = {"overlap": "x slower", "gemm": "TFLOP/s", "attention": "TFLOP/s", "stream": "GB/s", "collective": "busbw GB/s"}
+GROUP = {"overlap": "overlap", "gemm": "gemm", "attention": "attention", "stream": "memory", "collective": "collective"}
 
 
 def table(cases: list[dict], predicted: list[float]) -> tuple[str, dict]:
@@ -101,11 +108,54 @@ def table(cases: list[dict], predicted: list[float]) -> tuple[str, dict]:
         group = GROUP[case["kind"]]
         errors.setdefault((case["set"], group), []).append(abs(error))
         rows.append(f"| {case['id']} | {case['set']} | {case['profile']} | {describe(case)} | {case['value']:g} "
-                    f"{UNIT[case['kind']]} | {value:.1f} | {100 * error:+.1f}% | {case['source']} |")
+                    f"{UNIT[case['kind']]} | {value:.{2 if case['kind'] == 'overlap' else 1}f} | {100 * error:+.1f}% | {case['source']} |")
     summary = {f"{s} {g}": {"cases": len(e), "median_abs_error": statistics.median(e)} for (s, g), e in sorted(errors.items())}
     held = [abs((v - c["value"]) / c["value"]) for c, v in zip(cases, predicted) if c["set"] == "held-out"]
     summary["held-out all"] = {"cases": len(held), "median_abs_error": statistics.median(held)}
     return "\n".join(rows), summary
+
+
+def e2e_table(rows: list[dict]) -> str:
+    """The fixed end-to-end set as a table: configuration, published figures, where each row stands."""
+    out = ["| id | trainer | GPUs | model | parallelism | seq x micro-batch x accum. | AC | precision | published tok/s/GPU "
+           "| peak GiB | predicted tok/s/GPU | error | like for like | status |",
+           "|---|---|---|---|---|---|---|---|---:|---:|---:|---:|---|---|"]
+    errors = []
+    for r in rows:
+        par = ", ".join(f"{k.upper()} {r[k]}" for k in ("fsdp", "dp", "tp", "pp", "cp") if r.get(k, 1) > 1) or "1 GPU"
+        batch = f"{r['seq'] or 'varies'} x {r['micro_batch'] or '?'} x {r['accumulate'] or '?'}"
+        precision = r["precision"] + (", compiled" if r["compile"] else "")
+        like = ("yes" if r["like_for_like"] else "no") + (f": {r['note']}" if r.get("note") else "")
+        status = r["status"] + (f"; previous: {r['previous']}" if r.get("previous") else "")
+        predicted, error = r.get("predicted_tokens_per_s_per_gpu"), ""
+        if predicted:
+            error = f"{100 * (predicted / r['tokens_per_s_per_gpu'] - 1):+.1f}%"
+            if r["like_for_like"]:
+                errors.append(predicted / r["tokens_per_s_per_gpu"] - 1)
+        out.append(f"| {r['id']} | {r['group']} | {r['gpus']}x {r['profile']} ({r['nodes']} node{'s' if r['nodes'] > 1 else ''}) "
+                   f"| {r['model']} | {par} | {batch} | {r['ac']} | {precision} | {r['tokens_per_s_per_gpu']:,} "
+                   f"| {r.get('peak_memory_gib', '')} | {f'{predicted:,.0f}' if predicted else ''} | {error} | {like} | {status} |")
+    like = [r for r in rows if r["like_for_like"]]
+    summary = [f"\n\n{len(rows)} rows, {len(like)} like for like ({sum(r['nodes'] > 1 for r in like)} multi-node, "
+               f"{sum(r['ac'] == 'none' for r in like)} without activation checkpointing); predicted so far: "
+               + (f"{len(errors)} like-for-like rows, median |error| {100 * statistics.median(abs(e) for e in errors):.1f}%, "
+                  f"{sum(e > 0 for e in errors)} of them optimistic" if errors else "none") + ". Sources:\n"]
+    for publication in dict.fromkeys(r["source"][:40] for r in rows):
+        members = [r for r in rows if r["source"][:40] == publication]
+        common = os.path.commonprefix([r["source"] for r in members])
+        common = common[:common.rfind(", ") if len(members) > 1 and ", " in common else len(common)]
+        ids = members[0]["id"] + (f"-{members[-1]['id']}" if len(members) > 1 else "")
+        summary.append(f"- {ids}: {common}")
+    return "\n".join(out) + "\n".join(summary)
+
+
+def write_block(path: Path, name: str, block: str) -> None:
+    """Replaces the text between `<!-- NAME:begin -->` and `<!-- NAME:end -->` in `path`."""
+    text = path.read_text()
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    head, _, rest = text.partition(begin)
+    _, _, tail = rest.partition(end)
+    path.write_text(f"{head}{begin}\n{block}\n{end}{tail}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,22 +169,20 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("MIRAGE_SESSION"):
         print("bench/validate.py starts mirage itself: run it with plain python", file=sys.stderr)
         return 2
-    cases = tomllib.loads(CASES.read_text())["case"]
+    listed = tomllib.loads(CASES.read_text())
+    cases = listed["case"]
     predicted = run_predictions(cases)
     rows, summary = table(cases, predicted)
     print(rows)
     for name, s in summary.items():
         print(f"{name:<24} {s['cases']:>3} cases, median |error| {100 * s['median_abs_error']:.1f}%")
+    e2e = e2e_table(listed["e2e"])
+    print(e2e)
     if args.write:
-        path = Path(args.write)
-        text = path.read_text()
-        begin, end = "<!-- validate.py:begin -->", "<!-- validate.py:end -->"
         lines = [f"- {name}: {s['cases']} cases, median |error| **{100 * s['median_abs_error']:.1f}%**"
                  for name, s in summary.items()]
-        block = f"{begin}\n{rows}\n\n" + "\n".join(lines) + f"\n{end}"
-        head, _, rest = text.partition(begin)
-        _, _, tail = rest.partition(end)
-        path.write_text(head + block + tail)
+        write_block(Path(args.write), "validate.py", f"{rows}\n\n" + "\n".join(lines))
+        write_block(Path(args.write), "validate.py e2e", e2e)
     return 0
 
 

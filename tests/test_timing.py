@@ -34,11 +34,13 @@ def model(name: str) -> dict[str, float]:
     return {n.key: n.value for n in profiles.timing_numbers(profiles.load(name))}
 
 
-def expected_gemm_ms(name: str, n: int, **tuned: float) -> float:
-    """The cost model's formula for an n x n x n bf16 GEMM, from the profile's numbers (and `tuned`)."""
+def expected_gemm_ms(name: str, n: int, beside_collective: bool = False, **tuned: float) -> float:
+    """The cost model's formula for an n x n x n bf16 GEMM, from the profile's numbers (and `tuned`);
+    beside a collective its tiles run in waves over the compute units NCCL's kernel leaves."""
     m = {**model(name), **tuned}
     tiles = math.ceil(n / m["gemm_tile_m"]) * math.ceil(n / m["gemm_tile_n"])
-    quantisation = tiles / (math.ceil(tiles / m["compute_units"]) * m["compute_units"])
+    units = m["compute_units"] - (m["nccl_compute_units"] if beside_collective else 0)
+    quantisation = tiles / (math.ceil(tiles / units) * m["compute_units"])
     compute_ns = 2 * n**3 / (m["peak_tflops.bf16"] * 1e3 * m["gemm_efficiency"] * quantisation)
     memory_ns = 3 * n * n * 2 / (m["memory_bandwidth_gbs"] * m["memory_efficiency"])
     return (max(compute_ns, memory_ns) + m["kernel_overhead_us"] * 1e3) / 1e6
@@ -105,6 +107,18 @@ def test_a_collective_starts_when_the_last_rank_reaches_it():
     # rank 0 waited in the all_reduce for rank 1's GEMMs: both end at the same predicted time
     assert by_rank[0]["total_ms"] == pytest.approx(by_rank[1]["total_ms"], rel=1e-3)
     assert by_rank[0]["total_ms"] > busy
+
+
+def test_a_gemm_beside_a_collective_runs_in_more_waves():
+    """2048 x 2048 on H100: 128 tiles fill one wave of 132 units alone, two waves of the 108 an
+    all_reduce's kernel leaves (nccl_compute_units 24), so it takes twice as long beside it."""
+    run = mirage("run", "--quiet", "--timing", "--predict-only", "--profile", "h100", "--gpus-per-node", "2",
+                 "--nproc-per-node", "2", "--", sys.executable, str(WORKLOAD), "overlap")
+    assert run.returncode == 0, run.stderr
+    for line in (json.loads(l.split("] ", 1)[1]) for l in run.stdout.splitlines() if "{" in l):
+        assert line["alone_ms"] == pytest.approx(expected_gemm_ms("h100", 2048), rel=1e-3)
+        assert line["beside_ms"] == pytest.approx(expected_gemm_ms("h100", 2048, beside_collective=True), rel=1e-3)
+        assert line["beside_ms"] > 1.9 * line["alone_ms"]
 
 
 def test_a_receive_ends_after_the_senders_work():

@@ -103,6 +103,7 @@ TIMING_KEYS: dict[str, str] = {
     "attention_efficiency": "the fraction of the dtype's peak fused (flash) attention kernels reach",
     "gemm_tile_m": "GEMM output tile rows (wave quantisation)",
     "gemm_tile_n": "GEMM output tile columns (wave quantisation)",
+    "nccl_compute_units": "compute units a running NCCL kernel holds (a GEMM beside it runs its waves on the rest)",
     "nccl_bus_efficiency": "the fraction of one direction of link_bandwidth_gbs NCCL's busbw reaches",
     "nvls_bus_efficiency": "all_reduce's busbw with NVLink SHARP, as a fraction of one link direction (0: none)",
     "nccl_latency_us": "a collective's fixed cost within a node (NCCL's Simple protocol)",

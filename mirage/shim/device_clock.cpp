@@ -44,6 +44,8 @@ struct Timeline {
   std::vector<Step> steps;
   std::vector<MemorySample> memory;
   std::array<int64_t, kMaxDevices> last_allocated{};
+  // Each device's collectives that may still run beside kernels issued from now: [start, end).
+  std::array<std::vector<std::pair<int64_t, int64_t>>, kMaxDevices> collectives;
 };
 
 Timeline& timeline() {
@@ -116,17 +118,44 @@ void keep(Timeline& tl, const Interval& work) {
   }
 }
 
+// When work issued at `start` ends: it advances at 1/cost_ns of itself a nanosecond, at
+// 1/shared_ns while one of `collectives` runs. Collectives that ended before `host` are dropped
+// (no later kernel can start before the host issues it).
+int64_t end_beside_collectives(std::vector<std::pair<int64_t, int64_t>>& collectives, int64_t host, int64_t start,
+                               int64_t cost_ns, int64_t shared_ns) {
+  std::erase_if(collectives, [host](const auto& c) { return c.second <= host; });
+  if (shared_ns <= cost_ns || collectives.empty()) return start + cost_ns;
+  std::sort(collectives.begin(), collectives.end());
+  double left = 1.0;  // the work not yet done
+  double t = static_cast<double>(start);
+  for (const auto& [from, to] : collectives) {
+    if (to <= t) continue;
+    if (from > t) {  // alone until this collective starts
+      const double alone = (static_cast<double>(from) - t) / static_cast<double>(cost_ns);
+      if (alone >= left) return std::llround(t + left * static_cast<double>(cost_ns));
+      left -= alone;
+      t = static_cast<double>(from);
+    }
+    const double beside = (static_cast<double>(to) - t) / static_cast<double>(shared_ns);
+    if (beside >= left) return std::llround(t + left * static_cast<double>(shared_ns));
+    left -= beside;
+    t = static_cast<double>(to);
+  }
+  return std::llround(t + left * static_cast<double>(cost_ns));
+}
+
 }  // namespace
 
 int64_t run_on_stream(DeviceIndex dev, c10::StreamId stream, int64_t cost_ns, WorkKind kind, const char* name,
-                      int64_t bytes, double flops) {
+                      int64_t bytes, double flops, int64_t shared_ns) {
   Timeline& tl = timeline();
   std::lock_guard<std::mutex> g(tl.mu);
   int64_t& clock = stream_clock(tl, dev, stream);
   const int64_t start = std::max(clock, tl.host);
   // A straggler (--fault slow-gpu) runs its kernels slower; its copies ride the host link as before.
   const double slowdown = kind == WorkKind::kCompute || kind == WorkKind::kMemory ? cost_model().gpu_slowdown : 1.0;
-  clock = start + (slowdown == 1.0 ? cost_ns : std::llround(static_cast<double>(cost_ns) * slowdown));
+  const int64_t ns = end_beside_collectives(tl.collectives[dev], tl.host, start, cost_ns, shared_ns) - start;
+  clock = start + (slowdown == 1.0 ? ns : std::llround(static_cast<double>(ns) * slowdown));
   if (!tl_replaying) tl.host += cost_model().launch_ns;
   keep(tl, Interval{start, clock, name, bytes, flops, stream, kind, dev});
   return clock;
@@ -139,6 +168,7 @@ int64_t run_at(DeviceIndex dev, c10::StreamId stream, int64_t start, int64_t cos
   int64_t& clock = stream_clock(tl, dev, stream);
   const int64_t begin = std::max({clock, start, tl.host});
   clock = begin + cost_ns;
+  if (kind == WorkKind::kCollective) tl.collectives[dev].emplace_back(begin, clock);
   if (!tl_replaying) tl.host += cost_model().launch_ns;
   keep(tl, Interval{begin, clock, name, bytes, flops, stream, kind, dev});
   return clock;

@@ -46,9 +46,11 @@ struct Interval {
 };
 
 // Puts work of `cost_ns` on `stream` of `dev`, issued by the host now (the host pays the launch,
-// except inside a CUDA graph's replay): returns when it ends.
+// except inside a CUDA graph's replay): returns when it ends. While a collective already placed
+// on `dev` runs beside it, the work proceeds at the rate of `shared_ns` (its cost on the compute
+// units NCCL's kernel leaves; -1: the same as cost_ns).
 int64_t run_on_stream(DeviceIndex dev, c10::StreamId stream, int64_t cost_ns, WorkKind kind, const char* name,
-                      int64_t bytes, double flops);
+                      int64_t bytes, double flops, int64_t shared_ns = -1);
 // Work whose start was agreed elsewhere (a collective, from every rank's ready time).
 int64_t run_at(DeviceIndex dev, c10::StreamId stream, int64_t start, int64_t cost_ns, WorkKind kind,
                const char* name, int64_t bytes, double flops);

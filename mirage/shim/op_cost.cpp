@@ -84,6 +84,7 @@ CostModel load_model() {
   m.tile_m = static_cast<int64_t>(need(p, "gemm_tile_m"));
   m.tile_n = static_cast<int64_t>(need(p, "gemm_tile_n"));
   m.compute_units = static_cast<int64_t>(need(p, "compute_units"));
+  m.nccl_compute_units = static_cast<int64_t>(need(p, "nccl_compute_units"));
   // A GPU's links are quoted both directions together; a ring uses one direction of each.
   const double link_one_way = need(p, "link_bandwidth_gbs") / 2 * kGBs;
   m.bus_bytes_per_ns = link_one_way * need(p, "nccl_bus_efficiency");
@@ -162,23 +163,28 @@ const CostModel& cost_model() {
 
 KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, int64_t tiles, ComputeKind kind) {
   const CostModel& m = cost_model();
-  double compute = 0;
-  if (flops > 0) {
-    double quantisation = 1;
+  const bool fp8 = dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2 || dtype == at::kFloat8_e4m3fnuz ||
+                   dtype == at::kFloat8_e5m2fnuz;
+  const double efficiency = kind == ComputeKind::kAttention ? m.attention_efficiency
+                            : fp8                            ? m.gemm_efficiency_fp8
+                                                             : m.gemm_efficiency;
+  // The FLOPs' time on `units` compute units: a GEMM's tiles in whole waves over them, other
+  // work spread over them evenly.
+  auto compute_on = [&](int64_t units) {
+    if (flops <= 0) return 0.0;
+    double share = static_cast<double>(units) / static_cast<double>(m.compute_units);
     if (tiles > 0) {
-      const int64_t waves = (tiles + m.compute_units - 1) / m.compute_units;
-      quantisation = static_cast<double>(tiles) / static_cast<double>(waves * m.compute_units);
+      const int64_t waves = (tiles + units - 1) / units;
+      share = static_cast<double>(tiles) / static_cast<double>(waves * m.compute_units);
     }
-    const bool fp8 = dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2 || dtype == at::kFloat8_e4m3fnuz ||
-                     dtype == at::kFloat8_e5m2fnuz;
-    const double efficiency = kind == ComputeKind::kAttention ? m.attention_efficiency
-                              : fp8                            ? m.gemm_efficiency_fp8
-                                                               : m.gemm_efficiency;
-    compute = flops / (peak_flops_per_ns(m, dtype) * efficiency * quantisation);
-  }
+    return flops / (peak_flops_per_ns(m, dtype) * efficiency * share);
+  };
+  const double compute = compute_on(m.compute_units);
+  const double shared = compute_on(std::max<int64_t>(m.compute_units - m.nccl_compute_units, 1));
   const double memory = static_cast<double>(bytes) / m.memory_bytes_per_ns;
   const double ns = std::max(compute, memory) + m.kernel_fixed_ns;
-  return {static_cast<int64_t>(std::llround(ns)), flops > 0 && compute >= memory ? WorkKind::kCompute : WorkKind::kMemory};
+  return {static_cast<int64_t>(std::llround(ns)), flops > 0 && compute >= memory ? WorkKind::kCompute : WorkKind::kMemory,
+          static_cast<int64_t>(std::llround(std::max(shared, memory) + m.kernel_fixed_ns))};
 }
 
 int64_t copy_cost_ns(int64_t bytes, bool crosses_host) {
@@ -256,7 +262,7 @@ void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs
   const double counted = has_flop_formula(handle.schema()) ? flop_count(handle, args, results.data(), results.size()) : 0;
   const double flops = causal ? counted / 2 : counted;
   const KernelCost cost = kernel_cost(flops, bytes, first.scalar_type(), 0, ComputeKind::kAttention);
-  run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, handle.schema().name().c_str(), bytes, flops);
+  run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, handle.schema().name().c_str(), bytes, flops, cost.shared_ns);
 }
 
 }  // namespace mirage
@@ -322,6 +328,13 @@ TORCH_LIBRARY_FRAGMENT(mirage, m) {
           const int64_t bytes = (rows * inner + inner * cols + rows * cols) * static_cast<int64_t>(c10::elementSize(dtype));
           return mirage::kernel_cost(flops, bytes, dtype, mirage::output_tiles(1, rows, cols)).ns;
         });
+  // The same GEMM while a collective's kernel runs beside it for its whole length.
+  m.def("clock_predict_gemm_beside_collective_ns(int m, int n, int k, ScalarType dtype) -> int",
+        [](int64_t rows, int64_t cols, int64_t inner, c10::ScalarType dtype) -> int64_t {
+          const double flops = 2.0 * rows * cols * inner;
+          const int64_t bytes = (rows * inner + inner * cols + rows * cols) * static_cast<int64_t>(c10::elementSize(dtype));
+          return mirage::kernel_cost(flops, bytes, dtype, mirage::output_tiles(1, rows, cols)).shared_ns;
+        });
   // Fused attention's forward over batch x heads x seq x head_dim (FlashAttention's benchmark
   // counts 4 x b x h x s^2 x d FLOPs, half of them when causal).
   m.def("clock_predict_attention_ns(int batch, int heads, int seq, int head_dim, bool causal, ScalarType dtype) -> int",
@@ -345,8 +358,9 @@ TORCH_LIBRARY_FRAGMENT(mirage, m) {
           if (!mirage::timing()) return;
           const auto dev = static_cast<mirage::DeviceIndex>(device);
           mirage::KernelCost cost = mirage::kernel_cost(flops, bytes, dtype, 0);
-          cost.ns += static_cast<int64_t>(std::max<int64_t>(kernels - 1, 0) * mirage::cost_model().kernel_fixed_ns);
-          mirage::run_on_stream(dev, mirage::tl_stream[dev], cost.ns, cost.kind, "compiled graph", bytes, flops);
+          const auto fixed = static_cast<int64_t>(std::max<int64_t>(kernels - 1, 0) * mirage::cost_model().kernel_fixed_ns);
+          mirage::run_on_stream(dev, mirage::tl_stream[dev], cost.ns + fixed, cost.kind, "compiled graph", bytes, flops,
+                                cost.shared_ns + fixed);
         });
   m.def("clock_set_flop_ops(str[] names) -> ()", [](std::vector<std::string> names) {
     mirage::FlopOps& f = mirage::flop_ops();

@@ -35,6 +35,9 @@ struct CostModel {
   double gemm_efficiency_fp8;     // the same for FP8 GEMMs (a smaller fraction of a larger peak)
   double attention_efficiency;    // the fraction of peak fused attention reaches (softmax between its GEMMs)
   int64_t tile_m, tile_n, compute_units;
+  // The compute units a running NCCL kernel holds (one per channel): a GEMM overlapped with a
+  // collective gets the rest, in more waves (profile [timing] nccl_compute_units).
+  int64_t nccl_compute_units;
   double bus_bytes_per_ns;        // achievable busbw within a node
   double nvls_bytes_per_ns;       // all_reduce's busbw with NVLink SHARP (0: the profile has none)
   double bus_latency_ns;          // a collective's fixed cost within a node (NCCL's Simple protocol)
@@ -58,6 +61,7 @@ const CostModel& cost_model();
 struct KernelCost {
   int64_t ns;
   WorkKind kind;
+  int64_t shared_ns;  // the same kernel while a collective's kernel holds nccl_compute_units
 };
 // What a kernel's FLOPs run at: a GEMM's efficiency, or fused attention's (lower: its softmax
 // and rescaling sit between the two GEMMs on the critical path).

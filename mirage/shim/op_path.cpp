@@ -102,7 +102,7 @@ static void clock_kernel(const c10::OperatorHandle& op, const OpTraits& traits, 
   }
   const KernelCost cost = kernel_cost(flops, bytes, dtype, tiles);
   const int64_t end = run_on_stream(device, tl_stream[device], cost.ns, cost.kind, op.schema().name().c_str(),
-                                    bytes, flops);
+                                    bytes, flops, cost.shared_ns);
   if (traits.synchronizes) host_waits_for(end);
 }
 

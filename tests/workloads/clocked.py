@@ -76,6 +76,28 @@ def straggler() -> None:
     dist.destroy_process_group()
 
 
+def overlap() -> None:
+    """Two ranks; a GEMM issued while an async all_reduce runs on the communicator's stream, then
+    the same GEMM alone (after the wait), each timed with events."""
+    dist, rank, _, _ = two_ranks()
+    n = int(os.environ.get("N", "2048"))
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    big = torch.ones(2**24, device="cuda")
+    times = {}
+    work = dist.all_reduce(big, async_op=True)
+    for name in ("beside_ms", "alone_ms"):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ a
+        end.record()
+        end.synchronize()
+        times[name] = start.elapsed_time(end)
+        work.wait()
+        torch.cuda.synchronize()
+    print(json.dumps({"rank": rank, **times}))
+    dist.destroy_process_group()
+
+
 def allreduce() -> None:
     """One rank per emulated node; a 64 MiB all_reduce across them, timed with events."""
     import torch.distributed as dist
@@ -150,4 +172,4 @@ def graph() -> None:
     print(json.dumps(times))
 
 
-{"gemm": gemm, "attention": attention, "straggler": straggler, "allreduce": allreduce, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
+{"gemm": gemm, "attention": attention, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
