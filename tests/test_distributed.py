@@ -316,12 +316,14 @@ def run_desync(tmp_path, calls: str, *options: str) -> subprocess.CompletedProce
                        "group rank 1: all_reduce of 2000 x Float, op SUM"]),
     (DIFFERENT_OP, ["group rank 0: broadcast of 1000 x Float, root 0", "group rank 1: all_gather of 1000 x Float"]),
 ], ids=["different-numel", "different-op"])
-def test_collectives_that_do_not_match_fail_on_every_rank_naming_each_call(tmp_path, calls, expected):
+@pytest.mark.parametrize("mode", [[], ["--timing", "--predict-only"]], ids=["full", "predict-only"])
+def test_collectives_that_do_not_match_fail_on_every_rank_naming_each_call(tmp_path, calls, expected, mode):
     """The backend's half of the contract (README: "fails on every rank naming each call"), with
     --in-process so no session service ends the run first: each rank's own DistBackendError
     names both calls. (Checked: with the backend's report cut to the caller's own call, both
-    cases fail here while the session's test below still passes.)"""
-    result = run_desync(tmp_path, calls, "--in-process")
+    cases fail here while the session's test below still passes.) Under --predict-only, where
+    collectives move no payload, the ranks still compare their calls."""
+    result = run_desync(tmp_path, calls, "--in-process", *mode)
     assert result.returncode == 1, result.stderr[-3000:]
     lines = result.stderr.splitlines()
     for rank in (0, 1):

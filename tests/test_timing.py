@@ -176,6 +176,29 @@ def test_predict_only_predicts_what_the_full_run_predicts(tmp_path):
     assert predicted["split_ms"] == full["split_ms"] and predicted["step_ms"] == full["step_ms"]
 
 
+def test_predict_only_collectives_move_no_payload_and_take_the_full_runs_time():
+    """--predict-only: a collective's ranks meet and agree on the clock, but its floating-point
+    payload (data no kernel computed) does not move (README: an output keeps what it held); its
+    predicted time is the full run's. Integer collectives, which carry what steers the program
+    (all_gather_object's pickles and sizes), still move their bytes. Desyncs are still caught
+    (tests/test_distributed.py's desync test runs under --predict-only too)."""
+    results = {}
+    for mode in ("full", "predict-only"):
+        extra = ["--predict-only"] if mode == "predict-only" else []
+        run = mirage("run", "--quiet", "--timing", *extra, "--profile", "h100", "--gpus-per-node", "2",
+                     "--nproc-per-node", "2", "--", sys.executable, str(WORKLOAD), "phantom")
+        assert run.returncode == 0, run.stderr
+        results[mode] = {line["rank"]: line for line in
+                         (json.loads(l.split("] ", 1)[1]) for l in run.stdout.splitlines() if "{" in l)}
+    full, predicted = results["full"], results["predict-only"]
+    assert [full[r]["first"] for r in (0, 1)] == [3.0, 3.0]  # 1 + 2: the payload moved
+    assert [predicted[r]["first"] for r in (0, 1)] == [1.0, 2.0]  # each rank's own: none moved
+    assert all(full[r]["all_reduce_ms"] > 0 for r in (0, 1))
+    for results_of_mode in (full, predicted):
+        assert all(results_of_mode[r]["objects"] == [{"rank": 0}, {"rank": 1}] for r in (0, 1))
+    assert [predicted[r]["all_reduce_ms"] for r in (0, 1)] == [full[r]["all_reduce_ms"] for r in (0, 1)]
+
+
 def test_steps_come_from_the_users_marker_once_it_marks(tmp_path):
     summary = tmp_path / "summary.json"
     run = mirage("run", "--quiet", "--timing", "--summary-json", str(summary), "--profile", "h100",

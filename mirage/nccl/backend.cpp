@@ -3,6 +3,7 @@
 // under NCCL_DEBUG=INFO; and the Python module that puts the class where torch.distributed
 // looks for ProcessGroupNCCL (mirage/runtime/distributed.py).
 
+#include "clock.h"
 #include "gloo_on_device.h"
 #include "process_group.h"
 
@@ -41,6 +42,7 @@ ProcessGroupNCCL::ProcessGroupNCCL(c10::intrusive_ptr<c10d::Store> store, int ra
                    " runs inside a mirage session only (mirage run -- ...): no MIRAGE_SESSION, or /dev/shm "
                    "has no room for the communicator (`df -h /dev/shm`; NCCL_SHM_DISABLE=1 NCCL_P2P_DISABLE=1 "
                    "use sockets instead)");
+  if (shim_clock().predict_only) without_payload_ = without_payload(*comm_);
   if (std::getenv("NCCL_DEBUG") && (std::string(std::getenv("NCCL_DEBUG")) == "INFO" ||
                                     std::string(std::getenv("NCCL_DEBUG")) == "TRACE")) {
     log_init();

@@ -9,6 +9,8 @@
 
 #include <dlfcn.h>
 
+#include <cstdlib>
+
 namespace mirage::nccl {
 
 const ShimClock& ShimClock::get() {
@@ -26,6 +28,8 @@ const ShimClock& ShimClock::get() {
     c.link_slowdown = reinterpret_cast<double (*)(const int64_t*, int)>(dlsym(RTLD_DEFAULT, "mirage_link_slowdown"));
     c.on = c.enabled && c.new_stream && c.ready && c.collective && c.current_stream_waits && c.cost_ns &&
            c.link_slowdown && c.enabled();
+    const char* predict_only = std::getenv("MIRAGE_PREDICT_ONLY");
+    c.predict_only = c.on && predict_only && *predict_only;
     return c;
   }();
   return clock;

@@ -19,6 +19,9 @@ struct ShimClock {
   int64_t (*cost_ns)(int, int64_t, int, int, double) = nullptr;
   double (*link_slowdown)(const int64_t*, int) = nullptr;
   bool on = false;
+  // --predict-only (the shim's predict_only(), device_clock.h): kernels compute nothing, so
+  // collectives carry no payload (no_payload.cpp).
+  bool predict_only = false;
 
   static const ShimClock& get();
 };

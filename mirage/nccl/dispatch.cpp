@@ -63,7 +63,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupNCCL::broadcast(std::vector<at::Tenso
   check_root(root);
   return collective(OpType::BROADCAST, "nccl:broadcast", "broadcast", tensors, tensors, opts.timeout, "", [&] {
     at::Tensor r = as_real(t);
-    comm_->broadcast(data(r), r.numel(), r.scalar_type(), root, timing_);
+    collectives().broadcast(data(r), r.numel(), r.scalar_type(), root, timing_);
   });
 }
 
@@ -75,7 +75,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupNCCL::allreduce(std::vector<at::Tenso
   return collective(OpType::ALLREDUCE, "nccl:all_reduce", "all_reduce", tensors, tensors, opts.timeout,
                     op_name(opts.reduceOp), [&] {
     at::Tensor r = as_real(t);
-    comm_->all_reduce(data(r), r.numel(), r.scalar_type(), reduction, timing_);
+    collectives().all_reduce(data(r), r.numel(), r.scalar_type(), reduction, timing_);
   });
 }
 
@@ -86,7 +86,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupNCCL::allreduce_coalesced(std::vector
                     opts.timeout, op_name(opts.reduceOp), [&] {
     for (const auto& t : tensors) {
       at::Tensor r = as_real(t);
-      comm_->all_reduce(data(r), r.numel(), r.scalar_type(), reduction_of(opts.reduceOp, t), timing_);
+      collectives().all_reduce(data(r), r.numel(), r.scalar_type(), reduction_of(opts.reduceOp, t), timing_);
     }
   });
 }
@@ -99,7 +99,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupNCCL::reduce(std::vector<at::Tensor>&
   return collective(OpType::REDUCE, "nccl:reduce", "reduce", tensors, tensors, opts.timeout, op_name(opts.reduceOp),
                     [&] {
     at::Tensor r = as_real(t);
-    comm_->reduce(data(r), r.numel(), r.scalar_type(), reduction, root, timing_);
+    collectives().reduce(data(r), r.numel(), r.scalar_type(), reduction, root, timing_);
   });
 }
 
@@ -115,14 +115,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupNCCL::allgather(std::vector<std::vect
     if (even) {
       std::vector<char*> to;
       for (const auto& o : outs) to.push_back(data(as_real(o)));
-      comm_->all_gather(to, data(r), r.numel(), r.scalar_type(), timing_);
+      collectives().all_gather(to, data(r), r.numel(), r.scalar_type(), timing_);
       return;
     }
     // Uneven sizes: a broadcast from each rank in turn, as ProcessGroupNCCL does them.
     as_real(outs[rank_]).copy_(r);
     for (int root = 0; root < size_; ++root) {
       at::Tensor o = as_real(outs[root]);
-      comm_->broadcast(data(o), o.numel(), o.scalar_type(), root, timing_);
+      collectives().broadcast(data(o), o.numel(), o.scalar_type(), root, timing_);
     }
   });
 }
@@ -155,7 +155,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupNCCL::allgather_coalesced(std::vector
       std::vector<char*> to;
       for (const auto& o : outputs[i]) to.push_back(data(as_real(o)));
       at::Tensor r = as_real(inputs[i]);
-      comm_->all_gather(to, data(r), r.numel(), r.scalar_type(), timing_);
+      collectives().all_gather(to, data(r), r.numel(), r.scalar_type(), timing_);
     }
   });
 }
@@ -193,14 +193,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupNCCL::reduce_scatter(std::vector<at::
         flat.narrow(0, r * as_real(out).numel(), as_real(out).numel()).copy_(as_real(ins[r]).reshape(-1));
       }
       at::Tensor o = as_real(out);
-      comm_->reduce_scatter(data(o), static_cast<char*>(flat.data_ptr()), o.numel(), o.scalar_type(), reduction,
+      collectives().reduce_scatter(data(o), static_cast<char*>(flat.data_ptr()), o.numel(), o.scalar_type(), reduction,
                             timing_);
       return;
     }
     // Uneven sizes: a reduce to each rank in turn, on copies (reduce writes its buffer).
     for (int root = 0; root < size_; ++root) {
       at::Tensor buffer = as_real(ins[root]).to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
-      comm_->reduce(static_cast<char*>(buffer.data_ptr()), buffer.numel(), buffer.scalar_type(), reduction, root,
+      collectives().reduce(static_cast<char*>(buffer.data_ptr()), buffer.numel(), buffer.scalar_type(), reduction, root,
                     timing_);
       if (root == rank_) as_real(out).copy_(buffer.view(as_real(out).sizes()));
     }
@@ -345,18 +345,18 @@ void ProcessGroupNCCL::gather_flat(const at::Tensor& out, const at::Tensor& in) 
   at::Tensor r = as_real(in), o = as_real(out);
   std::vector<char*> to;
   for (int k = 0; k < size_; ++k) to.push_back(data(o) + k * nbytes(r));
-  comm_->all_gather(to, data(r), r.numel(), r.scalar_type(), timing_);
+  collectives().all_gather(to, data(r), r.numel(), r.scalar_type(), timing_);
 }
 
 void ProcessGroupNCCL::scatter_flat(const at::Tensor& out, const at::Tensor& in, const Reduction& reduction) {
   at::Tensor r = as_real(in), o = as_real(out);
-  comm_->reduce_scatter(data(o), data(r), o.numel(), o.scalar_type(), reduction, timing_);
+  collectives().reduce_scatter(data(o), data(r), o.numel(), o.scalar_type(), reduction, timing_);
 }
 
 // gather, scatter, all_to_all: send[r] goes to rank r, recv[r] comes from it.
 void ProcessGroupNCCL::exchange_pieces(Kind kind, int root, at::ScalarType dtype, const std::vector<std::pair<char*, size_t>>& send,
                                        const std::vector<std::pair<char*, size_t>>& recv) {
-  comm_->exchange_pieces(Call{kind, static_cast<int32_t>(dtype), root, 0, -1}, send, recv, timing_);
+  collectives().exchange_pieces(Call{kind, static_cast<int32_t>(dtype), root, 0, -1}, send, recv, timing_);
 }
 
 }  // namespace mirage::nccl

@@ -12,6 +12,8 @@
 //                       of the first collective); the ranks' calls are compared by the transports
 //   dispatch.cpp        each collective's arguments to the transport's calls, through
 //                       collective(): the one path every collective takes
+//   no_payload.cpp      --timing --predict-only: collectives whose ranks compare their calls and
+//                       agree on the clock, but move no payload (collectives() below)
 //   point_to_point.cpp  send/recv: a worker thread that moves every pending transfer at once
 //   work.cpp            Work objects with futures (work.h)
 //   watchdog.cpp        what a failed or timed-out operation does (TORCH_NCCL_ASYNC_ERROR_HANDLING,
@@ -160,6 +162,8 @@ class ProcessGroupNCCL final : public c10d::Backend {
  private:
   static uint64_t& next_uid();
   static char* data(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
+  // Where collectives go: the transport, or under --predict-only the same without payload.
+  Communicator& collectives() { return without_payload_ ? *without_payload_ : *comm_; }
 
   std::string group_name() const { return options_->group_name.empty() ? "0" : options_->group_name; }
   std::vector<uint64_t> group_ranks() const;
@@ -231,6 +235,7 @@ class ProcessGroupNCCL final : public c10d::Backend {
   c10::intrusive_ptr<Options> options_;
   uint64_t uid_;
   std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<Communicator> without_payload_;  // --predict-only: over comm_ (declared after it)
   bool blocking_wait_ = false;
   std::atomic<bool> measure_durations_{false};  // Works measure their duration
   int async_error_handling_ = 3;

@@ -205,6 +205,11 @@ std::unique_ptr<Communicator> connect_sockets(const c10::intrusive_ptr<c10d::Sto
 // sockets across nodes (node_hierarchy.cpp); a group within one node is plain shared memory.
 std::unique_ptr<Communicator> connect_across_nodes(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                                    bool p2p, std::chrono::milliseconds timeout);
+// --timing --predict-only (no_payload.cpp): collectives through `transport` whose ranks only
+// compare their calls and agree on when the collective starts; no payload moves. Point-to-point
+// transfers still go through `transport`. `transport` keeps the state (failures, agreed ready
+// time) and must outlive the result.
+std::unique_ptr<Communicator> without_payload(Communicator& transport);
 // The address this process's socket connections are made to, and the interface it is on (see
 // socket_transport.cpp); NCCL_DEBUG=INFO names it.
 std::string socket_interface();

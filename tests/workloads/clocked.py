@@ -115,6 +115,24 @@ def allreduce() -> None:
     dist.destroy_process_group()
 
 
+def phantom() -> None:
+    """Two ranks all-reduce a buffer each filled from the host with its rank + 1 (a host copy
+    moves its bytes in every mode); prints the all_reduce's predicted time, what the buffer
+    holds after it, and what all_gather_object (pickles in uint8 tensors) gathered."""
+    dist, rank, _, t = two_ranks()
+    objects = [None, None]
+    dist.all_gather_object(objects, {"rank": rank})
+    t.copy_(torch.full((2**20,), float(rank + 1)))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    dist.all_reduce(t)
+    end.record()
+    torch.cuda.synchronize()
+    print(json.dumps({"rank": rank, "all_reduce_ms": start.elapsed_time(end), "first": t[0].item(),
+                      "objects": objects}))
+    dist.destroy_process_group()
+
+
 def steps() -> None:
     """A few optimizer steps, then steps marked by the program (the marker replaces them)."""
     model = torch.nn.Linear(256, 256, device="cuda")
@@ -172,4 +190,4 @@ def graph() -> None:
     print(json.dumps(times))
 
 
-{"gemm": gemm, "attention": attention, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
+{"gemm": gemm, "attention": attention, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
