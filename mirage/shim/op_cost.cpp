@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "device_guard.h"
+#include "unobserved_ops.h"
 
 #include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
@@ -311,7 +312,7 @@ extern "C" int64_t mirage_collective_cost_ns(int kind, int64_t bytes, int ranks,
   return static_cast<int64_t>(std::llround(std::min(simple, ll)));
 }
 
-TORCH_LIBRARY_FRAGMENT(mirage, m) {
+MIRAGE_LIBRARY(m) {
   // Implemented in Python (mirage/runtime/timing.py) over torch.utils.flop_counter's registry.
   m.def("flop_count(str op, Any[] args, Any[] results) -> float");
   // The model's predictions without running anything (bench/validate.py compares them with
