@@ -5,6 +5,7 @@
 
 #include "device_guard.h"
 #include "unobserved_ops.h"
+#include "unprofiled.h"
 
 #include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
@@ -214,6 +215,10 @@ double flop_count(const c10::OperatorHandle& op, const std::vector<c10::IValue>&
   double flops = 0;
   {
     KernelScope inside;  // the formula's own tensor work (if any) is not device work
+    // The formula is Python, run inside the program's op: a Python profiler must not see it
+    // (unprofiled.h); mirage::flop_count itself is unobserved (unobserved_ops.h).
+    GilHeld gil;
+    PythonProfilerSuspended suspended;
     counter.callBoxed(&stack);
     flops = stack.back().toDouble();
   }
