@@ -42,3 +42,30 @@ def test_the_users_profile_shows_nothing_of_mirage(tmp_path: Path, timing: bool)
     assert mirages_in(named) == []
     strings = [value for event in events for value in event.get("args", {}).values() if isinstance(value, str)]
     assert mirages_in(strings) == []
+
+
+DEVICE_TIME = """
+import torch
+from torch.profiler import profile, ProfilerActivity
+a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+    for _ in range(3):
+        b = a @ a
+    torch.cuda.synchronize()
+mm = [e for e in p.key_averages() if e.key == "aten::mm"][0]
+print(mm.count, mm.device_time_total, torch.ops.mirage.clock_predict_gemm_ns(1024, 1024, 1024, torch.bfloat16))
+"""
+
+
+def test_cuda_time_in_key_averages_is_the_predicted_kernel_time_in_clocked_mode() -> None:
+    """ProfilerActivity.CUDA on the CPU build times each op between two CUDA events on its stream
+    (the profiler's CUDA stubs, mirage/shim/profiler_stubs.cpp); under --timing those are the
+    predicted clock, so an op's CUDA time is its predicted kernel time (to the microsecond the
+    profiler keeps), as the profile's cost model gives it."""
+    result = subprocess.run(
+        [sys.executable, "-m", "mirage", "run", "--timing", "--profile", "h100", "--gpus-per-node", "1", "--",
+         "python", "-c", DEVICE_TIME], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    count, device_us, predicted_ns = result.stdout.split()[-3:]
+    assert int(count) == 3
+    assert float(device_us) == 3 * (int(predicted_ns) // 1000)
