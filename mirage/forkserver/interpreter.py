@@ -185,6 +185,10 @@ def run(program: Program, search_path: list[str]) -> NoReturn:
     sys.argv[:] = program.argv
     import runpy  # here, not at the top: the waiter never needs it
 
+    # The program's code is the bottom of its stack, as under `python`: a profiler's stack, a
+    # traceback, sys._getframe see none of this function's frames (mirage/runtime/unprofiled.py).
+    from mirage.runtime.unprofiled import run_as_main
+
     main = _fresh_main()
     try:
         if program.kind == "module":
@@ -192,7 +196,7 @@ def run(program: Program, search_path: list[str]) -> NoReturn:
             runpy._run_module_as_main(program.target, alter_argv=True)
         elif program.kind == "code":
             main.__dict__.update(__loader__=None, __spec__=None, __package__=None, __doc__=None)
-            exec(compile(program.target, "<string>", "exec", dont_inherit=True), main.__dict__)
+            run_as_main(compile(program.target, "<string>", "exec", dont_inherit=True), main.__dict__)
         else:
             with io.open_code(program.target) as source_file:
                 source = source_file.read()
@@ -200,7 +204,7 @@ def run(program: Program, search_path: list[str]) -> NoReturn:
 
             main.__dict__.update(__file__=program.target, __cached__=None, __spec__=None, __package__=None,
                                  __doc__=None, __loader__=SourceFileLoader("__main__", program.target))
-            exec(compile(source, program.target, "exec", dont_inherit=True), main.__dict__)
+            run_as_main(compile(source, program.target, "exec", dont_inherit=True), main.__dict__)
     except SystemExit as exit_request:
         _shut_down(_exit_code(exit_request))
     except BaseException as error:  # noqa: BLE001 - the interpreter's own top-level handler, repeated

@@ -34,8 +34,9 @@ previous one is gone, and this one holds nothing that needs the GIL.
 from __future__ import annotations
 
 import atexit
-import functools
 from types import ModuleType
+
+from mirage.runtime.unprofiled import unprofiled_around
 
 
 def drain_at_exit(torch: ModuleType) -> None:
@@ -59,17 +60,20 @@ def on_calling_thread(torch: ModuleType, run_backward):
     is_enabled, set_enabled = torch._C._is_multithreading_enabled, torch._C._set_multithreading_enabled
     allocates_to_pool = torch.ops.mirage.thread_allocates_to_pool
 
-    @functools.wraps(run_backward)
-    def engine_run_backward(*args, **kwargs):
+    def on_this_thread(*args, **kwargs) -> bool:
+        """Turns the device threads off for this pass (unless off already, or the pass allocates
+        to a private pool); says whether it did."""
         if not is_enabled() or allocates_to_pool():
-            return run_backward(*args, **kwargs)
+            return False
         set_enabled(False)
-        try:
-            return run_backward(*args, **kwargs)
-        finally:
+        return True
+
+    def restore(turned_off: bool, returned: bool) -> None:
+        if turned_off:
             set_enabled(True)
 
-    return engine_run_backward
+    # The pass is the program's (its profile shows it); the switching is mirage's (unprofiled.py).
+    return unprofiled_around(run_backward, on_this_thread, restore)
 
 
 def install(torch: ModuleType) -> None:

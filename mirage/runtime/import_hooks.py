@@ -13,6 +13,8 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 
+from mirage.runtime.unprofiled import unprofiled, unprofiled_around
+
 
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs a patch right after the first import of one module executes, then removes itself."""
@@ -20,22 +22,24 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def __init__(self, module_name: str, patch: Callable[[ModuleType], None]) -> None:
         self.module_name = module_name
         self.patch = patch
+        # The import system asks every finder: this one is mirage's, not the program's (unprofiled.py).
+        self.find_spec = unprofiled(self._find_spec, "find_spec")
 
-    def find_spec(self, fullname, path, target=None):
+    def _find_spec(self, fullname, path, target=None):
         if fullname != self.module_name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return spec
-        run_module = spec.loader.exec_module
         patch = self.patch
 
-        def exec_module(module: ModuleType) -> None:
-            run_module(module)
-            patch(module)
+        def after(module: ModuleType, executed: bool) -> None:
+            if executed:
+                patch(module)
 
-        spec.loader.exec_module = exec_module
+        # The module's own code is the program's (its profile shows it); the patch is mirage's.
+        spec.loader.exec_module = unprofiled_around(spec.loader.exec_module, lambda module: module, after)
         return spec
 
 

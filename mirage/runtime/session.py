@@ -12,9 +12,9 @@ import json
 import os
 import socket
 import sys
-import threading
 
 from mirage.daemon.protocol import STACK_SIGNAL, stack_path
+from mirage.runtime import unprofiled
 
 _connection: socket.socket | None = None
 _stack_file = None  # where this rank's stacks go when the service asks (hang reports)
@@ -32,27 +32,19 @@ def _arm_stack_dumps() -> None:
         _stack_file = None
 
 
+def _death_notice(reason: str) -> str:
+    return (f"mirage: mirage daemon died ({reason}); stopping pid {os.getpid()} "
+            f"(rank {os.environ.get('RANK', '-')}). Fix: rerun the job; `mirage cleanup` reclaims leftovers.")
+
+
 def _die(reason: str) -> None:
     try:  # our output may go to the dead run process: a broken pipe must not stop the exit
         sys.stdout.flush()
-        print(f"mirage: mirage daemon died ({reason}); stopping pid {os.getpid()} "
-              f"(rank {os.environ.get('RANK', '-')}). Fix: rerun the job; `mirage cleanup` reclaims leftovers.",
-              file=sys.stderr, flush=True)
+        print(_death_notice(reason), file=sys.stderr, flush=True)
     except Exception:
         pass
     finally:
         os._exit(1)
-
-
-def _watch(connection: socket.socket) -> None:
-    """Blocks until the service closes the connection (it never sends anything else)."""
-    try:
-        while connection.recv(1):
-            pass
-    except OSError:
-        pass
-    if _connection is connection:
-        _die("its socket closed")
 
 
 def attach() -> None:
@@ -72,7 +64,10 @@ def attach() -> None:
     connection.sendall((json.dumps(hello) + "\n").encode())
     _connection = connection
     _arm_stack_dumps()
-    threading.Thread(target=_watch, args=(connection,), name="mirage-daemon-watch", daemon=True).start()
+    # The service never sends anything: only its end closing wakes the watch. A thread of the
+    # shim's, not a Python thread, whose frames the program's profiler would list.
+    reason = "its socket closed"
+    unprofiled.watch_connection(connection.fileno(), lambda: _die(reason), _death_notice(reason) + "\n")
 
 
 def connection_fd() -> int | None:

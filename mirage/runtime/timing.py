@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from types import ModuleType
 
+from mirage.runtime.unprofiled import unprofiled
+
 STEP_MARKER = "mirage.step"
 
 _torch: ModuleType | None = None
@@ -171,7 +173,7 @@ def install(torch: ModuleType) -> None:
     install.library = library  # kept alive with the process: dropping it unregisters the kernel
     names = [packet._qualified_op_name for packet in flop_registry if hasattr(packet, "_qualified_op_name")]
     torch.ops.mirage.clock_set_flop_ops(names)
-    register_optimizer_step_post_hook(_optimizer_step_done)
+    register_optimizer_step_post_hook(unprofiled(_optimizer_step_done))  # not the program's: unprofiled.py
     if os.environ.get("MIRAGE_VIRTUAL_CLOCK") and not _is_torchrun_agent():
         _install_virtual_clock()
     if not _is_torchrun_agent():

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from types import ModuleType
+from types import FunctionType, ModuleType
 
 from mirage import profiles
 from mirage.runtime import (autograd_threads, cuda_comm, cuda_graphs, cuda_ipc, cuda_memory, cuda_runtime, cudnn,
                             device_queries, distributed, import_hooks, inductor, legacy_tensor_types, nvtx, timing,
                             triton_driver, visible_devices)
+from mirage.runtime.unprofiled import unprofiled
 
 # What a ROCm / CUDA build of torch 2.13 reports as its toolkit version.
 _HIP_VERSION = "7.0.51831-a3e329ad8"
@@ -238,12 +239,14 @@ def _install(torch: ModuleType, _disable_current_modes: Callable) -> None:
         "_cuda_get_sync_debug_mode": lambda: 0,
         "_cuda_set_sync_debug_mode": lambda mode: None,
     }
+    # torch._C's functions are built-ins: a Python profiler sees a call of one, not mirage's code
+    # (unprofiled.py).
     for name, fn in bindings.items():
-        setattr(C, name, fn)
+        setattr(C, name, unprofiled(fn, name) if isinstance(fn, FunctionType) else fn)
 
     properties = [DeviceProperties(profile, node_gpu) for node_gpu in visible]
     cuda._CudaDeviceProperties = DeviceProperties
-    cuda._get_device_properties = lambda index: properties[index]
+    cuda._get_device_properties = unprofiled(lambda index: properties[index], "_get_device_properties")
     cuda._exchange_device = C._accelerator_exchangeDevice
     cuda._maybe_exchange_device = C._accelerator_maybeExchangeDevice
     cuda.default_generators = tuple(torch.ops.mirage.default_generator(i) for i in range(count))
@@ -277,17 +280,17 @@ def _install(torch: ModuleType, _disable_current_modes: Callable) -> None:
     # torch.cuda's own submodules do (modules imported later find ours on torch.cuda); looking
     # through all of sys.modules would touch ~2,000 modules, whose pages a child of the fork
     # server would then copy (10 ms and 8 MB a rank).
-    torchs_lazy_init = cuda._lazy_init
+    torchs_lazy_init, initialise = cuda._lazy_init, unprofiled(lazy_init, "_lazy_init")
     for module in [cuda, *(value for value in vars(cuda).values() if isinstance(value, ModuleType))]:
         if module.__name__.startswith("torch.cuda") and vars(module).get("_lazy_init") is torchs_lazy_init:
-            module._lazy_init = lazy_init
-    cuda.device_count = lambda: count
+            module._lazy_init = initialise
+    cuda.device_count = unprofiled(lambda: count, "device_count")
 
     def mem_get_info(device=None) -> tuple[int, int]:
         """Free and total bytes of the device, as cudaMemGetInfo reports them."""
         return C._accelerator_getMemoryInfo(cuda._utils._get_device_index(device, optional=True))
 
-    cuda.mem_get_info = cuda.memory.mem_get_info = mem_get_info
+    cuda.mem_get_info = cuda.memory.mem_get_info = unprofiled(mem_get_info)
 
     _allow_device_storages(torch)
 

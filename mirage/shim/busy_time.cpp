@@ -2,6 +2,7 @@
 #include "busy_time.h"
 
 #include "session_table.h"
+#include "unobserved_ops.h"
 
 #include <torch/library.h>
 
@@ -30,7 +31,7 @@ static thread_local std::vector<std::unique_ptr<BusyTimer>> tl_busy_regions;
 
 }  // namespace mirage
 
-TORCH_LIBRARY_FRAGMENT(mirage, m) {
+MIRAGE_LIBRARY(m) {
   m.def("busy_region_enter(int device) -> ()", [](int64_t device) {
     mirage::check_index(static_cast<c10::DeviceIndex>(device));
     mirage::tl_busy_regions.push_back(std::make_unique<mirage::BusyTimer>(static_cast<c10::DeviceIndex>(device)));

@@ -1,5 +1,6 @@
 // CUDA IPC between the session's processes (torch.multiprocessing with device tensors).
 #include "device_memory.h"
+#include "unobserved_ops.h"
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -92,7 +93,7 @@ static at::Tensor open_shared(const std::string& name, int64_t nbytes, DeviceInd
 
 }  // namespace mirage
 
-TORCH_LIBRARY_FRAGMENT(mirage, m) {
+MIRAGE_LIBRARY(m) {
   m.def("share_storage_memory(Tensor t) -> str", [](const at::Tensor& t) { return mirage::share_storage(t); });
   m.def("open_shared_storage(str name, int nbytes, int device) -> Tensor",
         [](const std::string& name, int64_t nbytes, int64_t device) {

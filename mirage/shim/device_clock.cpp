@@ -6,6 +6,7 @@
 #include "device_guard.h"
 #include "device_memory.h"
 #include "op_cost.h"
+#include "unobserved_ops.h"
 
 #include <torch/library.h>
 
@@ -246,7 +247,7 @@ void mirage_clock_current_stream_waits(int device, int64_t t) {
 
 // What the runtime (mirage/runtime/timing.py) reads: clocks, step marks, and at exit the steps,
 // the timeline and the memory samples for the report and the trace.
-TORCH_LIBRARY_FRAGMENT(mirage, m) {
+MIRAGE_LIBRARY(m) {
   m.def("clock_enabled() -> bool", []() { return mirage::timing(); });
   m.def("clock_host_ns() -> int", []() -> int64_t { return mirage::timing() ? mirage::host_time() : 0; });
   m.def("clock_host_advance(int ns) -> ()", [](int64_t ns) {

@@ -9,6 +9,7 @@
 #include "session_table.h"
 #include "shared_device_memory.h"
 #include "device_guard.h"
+#include "unobserved_ops.h"
 
 #include <c10/core/CachingDeviceAllocator.h>
 #include <torch/library.h>
@@ -295,7 +296,7 @@ REGISTER_ALLOCATOR(DeviceType::CUDA, &g_current_device_allocator);
 
 }  // namespace mirage
 
-TORCH_LIBRARY_FRAGMENT(mirage, m) {
+MIRAGE_LIBRARY(m) {
   m.def("set_memory_fraction(int device, float fraction) -> ()", [](int64_t device, double fraction) {
     mirage::check_index(static_cast<c10::DeviceIndex>(device));
     mirage::g_withheld_ppb[device].store(1000000000 - static_cast<int64_t>(fraction * 1e9 + 0.5));

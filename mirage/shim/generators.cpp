@@ -6,6 +6,7 @@
 #include "graph_capture.h"
 #include "host_views.h"
 #include "device_clock.h"
+#include "unobserved_ops.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -232,7 +233,7 @@ static void counter_based(const c10::OperatorHandle& op, c10::DispatchKeySet key
 }  // namespace mirage
 
 // The Python side asks for each device's default generator (torch.cuda.default_generators).
-TORCH_LIBRARY_FRAGMENT(mirage, m) {
+MIRAGE_LIBRARY(m) {
   m.def("default_generator(int device) -> Generator?", [](int64_t device) {
     return mirage::default_generator(static_cast<c10::DeviceIndex>(device));
   });

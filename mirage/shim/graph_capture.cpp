@@ -7,6 +7,7 @@
 #include "host_views.h"
 #include "op_cost.h"
 #include "op_path.h"
+#include "unobserved_ops.h"
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -196,7 +197,7 @@ void capture_op(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
 }  // namespace mirage
 
-TORCH_LIBRARY_FRAGMENT(mirage, m) {
+MIRAGE_LIBRARY(m) {
   // A capture on `device` whose allocations come from private pool (id0, id1).
   m.def("graph_capture_begin(int device, int id0, int id1) -> int", [](int64_t device, int64_t id0, int64_t id1) -> int64_t {
     std::lock_guard<std::mutex> g(mirage::g_graphs_mu);

@@ -3,6 +3,7 @@
 #include "host_views.h"
 
 #include "device_memory.h"
+#include "unobserved_ops.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
@@ -236,7 +237,7 @@ static std::vector<at::Tensor> device_views(const std::vector<at::Tensor>& host,
 }
 }  // namespace mirage
 
-TORCH_LIBRARY_FRAGMENT(mirage, m) {
+MIRAGE_LIBRARY(m) {
   m.def("host_view(Tensor t) -> Tensor", &mirage::host_view);
   m.def("device_views(Tensor[] host, int[] devices) -> Tensor[]", &mirage::device_views);
   m.def("resize_storage_bytes_(Tensor(a!) self, int nbytes) -> ()", &mirage::resize_storage_bytes);

@@ -1,5 +1,6 @@
 // Memory history (memory_history.h) and the operators torch.cuda.memory's snapshot calls read.
 #include "memory_history.h"
+#include "unobserved_ops.h"
 
 #include <torch/library.h>
 
@@ -30,7 +31,7 @@ Observer history_observer(DeviceIndex dev, std::shared_ptr<torch::CapturedTraceb
 
 }  // namespace mirage
 
-TORCH_LIBRARY_FRAGMENT(mirage, m) {
+MIRAGE_LIBRARY(m) {
   m.def("record_memory_history(bool enabled, bool stacks, int max_entries, bool clear) -> ()",
         [](bool enabled, bool stacks, int64_t max_entries, bool clear) {
           std::lock_guard<std::mutex> g(mirage::g_history.mu);

@@ -4,6 +4,8 @@
 #include <sstream>
 
 #include "device_guard.h"
+#include "unobserved_ops.h"
+#include "unprofiled.h"
 
 #include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
@@ -219,6 +221,10 @@ double flop_count(const c10::OperatorHandle& op, const std::vector<c10::IValue>&
   double flops = 0;
   {
     KernelScope inside;  // the formula's own tensor work (if any) is not device work
+    // The formula is Python, run inside the program's op: a Python profiler must not see it
+    // (unprofiled.h); mirage::flop_count itself is unobserved (unobserved_ops.h).
+    GilHeld gil;
+    PythonProfilerSuspended suspended;
     counter.callBoxed(&stack);
     flops = stack.back().toDouble();
   }
@@ -317,7 +323,7 @@ extern "C" int64_t mirage_collective_cost_ns(int kind, int64_t bytes, int ranks,
   return static_cast<int64_t>(std::llround(std::min(simple, ll)));
 }
 
-TORCH_LIBRARY_FRAGMENT(mirage, m) {
+MIRAGE_LIBRARY(m) {
   // Implemented in Python (mirage/runtime/timing.py) over torch.utils.flop_counter's registry.
   m.def("flop_count(str op, Any[] args, Any[] results) -> float");
   // The model's predictions without running anything (bench/validate.py compares them with

@@ -1,5 +1,6 @@
 // The pinned-memory allocator (pinned_memory.h) and torch.cuda.host_memory_stats' counters.
 #include "pinned_memory.h"
+#include "unobserved_ops.h"
 
 #include <c10/core/impl/alloc_cpu.h>
 #include <c10/util/llvmMathExtras.h>
@@ -48,7 +49,7 @@ void PinnedMemoryAllocator::release(void* p) {
 
 }  // namespace mirage
 
-TORCH_LIBRARY_FRAGMENT(mirage, m) {
+MIRAGE_LIBRARY(m) {
   m.def("host_memory_counts() -> int[]", []() {
     std::lock_guard<std::mutex> g(mirage::g_pinned.mu);
     const auto& p = mirage::g_pinned;

@@ -2,6 +2,7 @@
 // CUDA graph's pool (checkpoint its blocks, restore them, free them by pointer, swap storages'
 // deleters), over the caching-allocator model's private pools (caching_allocator.h).
 #include "device_memory.h"
+#include "unobserved_ops.h"
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -72,7 +73,7 @@ static void restore_pool_checkpoint(int64_t device, int64_t id0, int64_t id1, st
 
 }  // namespace mirage
 
-TORCH_LIBRARY_FRAGMENT(mirage, m) {
+MIRAGE_LIBRARY(m) {
   // torch.cuda.use_mem_pool and the end of a MemPool (torch._C's beginAllocateCurrentThreadToPool,
   // endAllocateToPool, releasePool).
   m.def("begin_pool(int device, int id0, int id1) -> ()", [](int64_t device, int64_t id0, int64_t id1) {
