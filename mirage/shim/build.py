@@ -77,6 +77,12 @@ def _key(sources: list[Path]) -> str:
     return key.hexdigest()[:16]
 
 
+def objects_dir() -> Path:
+    """Where the shim's objects are compiled (ninja's build folder): one per torch binary and Python,
+    not per source, so a change to one source recompiles that file only."""
+    return cache_root() / f"objects-{_key([])}"
+
+
 def nccl_module_path() -> Path:
     """The path the emulated NCCL extension for this source + torch + Python has once built."""
     return cache_root() / f"nccl-{_key(NCCL_SOURCES + NCCL_HEADERS)}" / f"{NCCL_MODULE_NAME}.so"
@@ -121,7 +127,7 @@ def build() -> Path:
 
         verbose = os.environ.get("MIRAGE_VERBOSE_BUILD") == "1"
         if not target.exists():
-            objects = cache_root() / f"objects-{_key([])}"
+            objects = objects_dir()
             objects.mkdir(parents=True, exist_ok=True)
             (objects / "lock").unlink(missing_ok=True)
             cpp_extension.load(
