@@ -189,3 +189,15 @@ def test_a_reader_that_goes_away_ends_the_job_as_a_broken_pipe_ends_a_pipeline(t
     assert list(runtime.iterdir()) == []  # the session's directory was removed: teardown ran
     leftovers = subprocess.run(["pgrep", "-f", f"{tmp_path}/chatty.py"], capture_output=True, text=True).stdout
     assert leftovers == ""
+
+
+def test_a_runtime_directory_too_long_for_a_unix_socket_is_named_with_the_fix(tmp_path):
+    """The session's sockets live in its directory under $XDG_RUNTIME_DIR; AF_UNIX paths hold 107
+    bytes, so a long runtime directory cannot work, and the refusal says which variable to change."""
+    runtime = tmp_path / ("r" * 90)
+    runtime.mkdir()
+    result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", "-c", "pass",
+                    env=dict(os.environ, XDG_RUNTIME_DIR=str(runtime)))
+    assert result.returncode != 0
+    assert "longer than a Unix socket allows" in result.stderr and "Fix: set XDG_RUNTIME_DIR" in result.stderr
+
