@@ -35,7 +35,8 @@ def test_the_users_profile_shows_nothing_of_mirage(tmp_path: Path, timing: bool)
     assert {"aten::mm", "aten::addmm", "train_step", "matmul", "attention"} <= set(table["keys"])
     assert any(key.startswith(WORKLOAD) for key in table["keys"])
     assert mirages_in(table["keys"]) == []
-    assert mirages_in(table["frames"]) == []
+    # Python frames are checked in the trace's python_function events below: torch 2.13's
+    # key_averages(group_by_stack_n=...) gives empty stacks in this mode, so a check there checks nothing
     events = json.loads(trace.read_text())["traceEvents"]
     assert {"cpu_op", "python_function", "user_annotation"} <= {event.get("cat") for event in events}
     named = [event["name"] for event in events if "name" in event]
