@@ -81,13 +81,20 @@ def test_module_and_code_programs_run_as_the_interpreter_runs_them(tmp_path):
 def test_exit_codes_uncaught_errors_and_death_by_signal_pass_through(tmp_path):
     exits = _script(tmp_path, "assert forked_from_server()\nsys.exit(7)\n", "exits.py")
     assert mirage("run", "--quiet", "--", "python", str(exits)).returncode == 7
-    raises = _script(tmp_path, "assert forked_from_server()\ndef fail():\n    raise ValueError('boom')\nfail()\n",
-                     "raises.py")
-    result = mirage("run", "--quiet", "--", "python", str(raises))
-    assert result.returncode == 1
-    traceback = result.stderr[result.stderr.index("Traceback"):]
-    assert f'File "{raises}", line' in traceback and "ValueError: boom" in traceback
-    assert "forkserver" not in traceback  # the program's frames only, as `python` prints them
+    raises = _script(tmp_path, "if 'MIRAGE_SESSION' in os.environ:\n    assert forked_from_server()\n"
+                               "def fail():\n    raise ValueError('boom')\nfail()\n", "raises.py")
+    import subprocess
+    import sys
+
+    as_python_prints_it = subprocess.run([sys.executable, str(raises)], capture_output=True, text=True).stderr
+    assert as_python_prints_it.startswith("Traceback") and "ValueError: boom" in as_python_prints_it
+    for how in ([], ["-c", f"exec(open({str(raises)!r}).read())"]):
+        result = mirage("run", "--quiet", "--", "python", *(how or [str(raises)]))
+        assert result.returncode == 1
+        traceback = result.stderr[result.stderr.index("Traceback"):]
+        if not how:  # the program's frames only, exactly as `python` prints them
+            assert traceback == as_python_prints_it
+        assert "/mirage/" not in traceback, traceback
     killed = _script(tmp_path, "import signal\nassert forked_from_server()\nos.kill(os.getpid(), signal.SIGTERM)\n",
                      "killed.py")
     assert mirage("run", "--quiet", "--", "python", str(killed)).returncode == 128 + signal.SIGTERM
@@ -167,6 +174,39 @@ def test_sigkill_of_the_waiter_kills_the_program_and_nothing_outlives_the_sessio
         assert run.wait(timeout=120) == 128 + signal.SIGKILL, run.communicate()
         assert not Path(f"/proc/{seen['rank']}").exists() or "Z" in Path(f"/proc/{seen['rank']}/stat").read_text().split()[2]
         assert still_running([(pid, started) for pid, started in seen["started"]]) == []  # tests/escapees.py
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+
+
+def test_a_lost_fork_server_ends_its_waiters_and_their_programs_with_the_reason(tmp_path):
+    """The server reports how each child ends; killed by itself (the run and its service alive),
+    it can report nothing more, so each waiter kills its child after a grace (in which a child
+    that saw the whole session end stops by itself: test_session.py) and says why."""
+    started = tmp_path / "started"
+    script = _script(tmp_path, f"""
+        import time
+        assert forked_from_server()
+        open({str(started)!r}, "w").write(str(real_parent(os.getpid())))  # getppid() gives the waiter's parent
+        time.sleep(600)
+    """)
+    import subprocess
+    import sys
+
+    run = subprocess.Popen([sys.executable, "-m", "mirage", "run", "--quiet", "--", "python", str(script)],
+                           cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        for _ in range(600):
+            if started.exists() and started.read_text() or run.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert started.exists(), run.communicate(timeout=60)
+        os.kill(int(started.read_text()), signal.SIGKILL)  # the server (or its twin) that forked the program
+        _, stderr = run.communicate(timeout=120)
+        assert run.returncode == 1, stderr
+        assert "the fork server ended before process" in stderr and "--no-fork-server" in stderr, stderr
     finally:
         if run.poll() is None:
             run.kill()

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from mirage import unix_sockets
 from mirage.daemon import shared_table
 from mirage.profiles import Profile, temperature_celsius
 from mirage.daemon.flight_recorder import FlightRecorder
@@ -90,7 +91,14 @@ class SessionService:
             def handle(self) -> None:
                 service._serve(self.rfile, self.wfile)
 
-        self._server = socketserver.ThreadingUnixStreamServer(str(self.socket_path), Handler)
+        server = socketserver.ThreadingUnixStreamServer(str(self.socket_path), Handler, bind_and_activate=False)
+        try:
+            unix_sockets.bind(server.socket, self.socket_path)
+            server.server_activate()
+        except OSError:
+            server.server_close()
+            raise
+        self._server = server  # stop() shuts down only a server that serves
         self._server.daemon_threads = True
         os.chmod(self.socket_path, 0o600)
         threading.Thread(target=self._server.serve_forever, name="mirage-service", daemon=True).start()
@@ -269,6 +277,6 @@ def request(socket_path: Path, message: dict, timeout: float = 5.0) -> dict:
     """One request/reply to a session's service (for smi, ps, exec)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(timeout)
-        conn.connect(str(socket_path))
+        unix_sockets.connect(conn, socket_path)
         conn.sendall((json.dumps(message) + "\n").encode())
         return json.loads(conn.makefile().readline())

@@ -25,9 +25,13 @@ import os
 import resource
 import sys
 
+from mirage import unix_sockets
 from mirage.forkserver import SOCKET_ENV, interpreter
 
 REPLY_TIMEOUT_SECONDS = 120.0  # the server imports torch before it answers; a loaded machine is slow
+# How long a child whose server died may take to stop by itself before its waiter kills it: a
+# rank notices the session's end in milliseconds, on a loaded machine in well under this.
+LOST_SERVER_GRACE_SECONDS = 2.0
 # Faults a waiter could raise itself: left at their defaults so such a fault is not swallowed.
 _NOT_FORWARDED = {_signal.SIGKILL, _signal.SIGSTOP, _signal.SIGCHLD, _signal.SIGSEGV, _signal.SIGBUS,
                   _signal.SIGFPE, _signal.SIGILL, _signal.SIGTRAP, _signal.SIGSYS}
@@ -45,7 +49,7 @@ def hand_off() -> None:
     connection = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
     try:
         connection.settimeout(REPLY_TIMEOUT_SECONDS)
-        connection.connect(path)
+        unix_sockets.connect(connection, path)
         fds = _open_fds(connection.fileno())
         # Sent at once, while the server may still be importing torch: it checks the
         # interpreter itself, and finds every waiting request together when it is ready.
@@ -139,17 +143,35 @@ def _wait(connection: _socket.socket, child: int, handed_over: list[int]) -> Non
     except OSError:
         reply = b""
     if not reply:
-        try:
-            os.killpg(child, _signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        os.write(2, f"mirage: the fork server ended before process {child} did; it was killed. "
-                    "Fix: rerun; `mirage run --no-fork-server` starts every process on its own.\n".encode())
-        os._exit(1)
+        _end_without_server(child)
     code = os.waitstatus_to_exitcode(marshal.loads(reply)["status"])
     if code < 0:
         _die_by(-code)
     os._exit(code)
+
+
+def _end_without_server(child: int) -> None:
+    """The server is gone, so the child's end can no longer be reported: the waiter ends, and
+    kills the child's group. Not at once: the server dies with the run (its PR_SET_PDEATHSIG),
+    as does the session's service, and the child then stops by itself, with last words that
+    name the service's death (mirage/runtime/session.py); killed at once it would die silent."""
+    import select  # not built-in, but only this rare path needs it
+
+    try:
+        ended = select.select([os.pidfd_open(child)], [], [], LOST_SERVER_GRACE_SECONDS)[0]
+    except OSError:  # the child is gone already
+        ended = True
+    try:
+        os.killpg(child, _signal.SIGKILL)  # what is left of its group, or the child itself
+    except (ProcessLookupError, PermissionError):
+        pass
+    if not ended:
+        try:  # stderr may be a pipe to the run that died
+            os.write(2, f"mirage: the fork server ended before process {child} did; it was killed. "
+                        "Fix: rerun; `mirage run --no-fork-server` starts every process on its own.\n".encode())
+        except OSError:
+            pass
+    os._exit(1)
 
 
 def _die_by(signum: int) -> None:

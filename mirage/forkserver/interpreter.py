@@ -208,12 +208,19 @@ def run(program: Program, search_path: list[str]) -> NoReturn:
     except SystemExit as exit_request:
         _shut_down(_exit_code(exit_request))
     except BaseException as error:  # noqa: BLE001 - the interpreter's own top-level handler, repeated
-        # From the program's first frame on (run's own is the first entry), as `python` prints it;
-        # with -m, runpy's frames stay, as they do there.
-        error.__traceback__ = error.__traceback__.tb_next  # what the default hook prints from
+        # From the program's first frame on (run's and run_as_main's are mirage's), as `python`
+        # prints it; with -m, runpy's frames stay, as they do there.
+        error.__traceback__ = _without_frames_of(error.__traceback__, {run.__code__, run_as_main.__code__})
         sys.excepthook(type(error), error, error.__traceback__)
         _shut_down(1, by_sigint=isinstance(error, KeyboardInterrupt))
     _shut_down(0)
+
+
+def _without_frames_of(traceback: types.TracebackType | None, codes: set[types.CodeType]) -> types.TracebackType | None:
+    """The traceback from its first entry that runs none of `codes` (what the default hook prints from)."""
+    while traceback is not None and traceback.tb_frame.f_code in codes:
+        traceback = traceback.tb_next
+    return traceback
 
 
 def _exit_code(exit_request: SystemExit) -> int:

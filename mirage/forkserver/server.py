@@ -38,6 +38,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import NoReturn
 
+from mirage import unix_sockets
 from mirage.forkserver import SOCKET_ENV, interpreter
 
 MAX_REQUEST_BYTES = 4 << 20
@@ -94,7 +95,7 @@ def start(process_env: dict[str, str], socket_path: Path) -> ForkServer:
     (no start-up race, no polling); the server gets the listening socket as an inherited fd."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        listener.bind(str(socket_path))
+        unix_sockets.bind(listener, socket_path)
         listener.listen(4096)
         process = subprocess.Popen(
             [sys.executable, "-m", "mirage.forkserver.server", str(listener.fileno()),

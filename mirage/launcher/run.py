@@ -346,10 +346,6 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
             try:
                 service.start()
             except OSError as err:
-                if "path too long" in str(err):  # AF_UNIX: 107 bytes for the socket's path
-                    raise LaunchError(f"the session service could not start: its socket's path under {session_dir} "
-                                      f"is longer than a Unix socket allows (107 bytes). Fix: set XDG_RUNTIME_DIR "
-                                      f"to a shorter directory, or run with --in-process") from None
                 raise LaunchError(f"the session service could not start ({err}); it needs a writable "
                                   f"/dev/shm and {session_dir}. Fix: free them, or run with --in-process") from None
             recorder.start()

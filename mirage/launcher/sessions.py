@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from mirage import unix_sockets
 from mirage.daemon import shared_table
 from mirage.daemon.protocol import SOCKET_NAME
 from mirage.daemon.service import request
@@ -115,7 +116,7 @@ def exec_in_session(session_id: str | None, node: int, command: list[str]) -> in
     status = pick(session_id)
     socket_path = runtime_root() / status["session"] / SOCKET_NAME
     lease = socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM)
-    lease.connect(str(socket_path))
+    unix_sockets.connect(lease, socket_path)
     lease.sendall((json.dumps({"op": "exec", "node": node}) + "\n").encode())
     reply = json.loads(lease.makefile().readline())
     if "error" in reply:

@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 
+from mirage import unix_sockets
 from mirage.daemon.protocol import STACK_SIGNAL, stack_path
 from mirage.runtime import unprofiled
 
@@ -55,7 +56,7 @@ def attach() -> None:
         return
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        connection.connect(path)
+        unix_sockets.connect(connection, path)
     except OSError:
         _die(f"nothing answers on {path}")
     rank = None if os.environ.get("MIRAGE_EXEC") else os.environ.get("RANK")
