@@ -8,7 +8,8 @@
 // and memory-efficient operators with their CUDA signatures (logsumexp, philox seed and offset),
 // computed by PyTorch's CPU flash-attention kernel. So a forced fused backend gives that
 // backend's results and autograd nodes. Not emulated: dropout inside a fused kernel (the CPU
-// kernel has none; a call with dropout takes math), cuDNN attention (never chosen).
+// kernel has none; a call with dropout takes math), cuDNN attention (never chosen: flash, which
+// takes the same inputs, stands in for it where a program prefers it).
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
@@ -41,33 +42,49 @@ std::tuple<Tensor, Tensor> predicted_attention(const Tensor& query, const Tensor
                                                        query.options().dtype(at::kFloat))};
 }
 
+// Whether the emulated device presents a ROCm build (its kernels' outputs differ in shape).
+static bool rocm_profile() {
+  static const bool rocm = [] {
+    const char* vendor = std::getenv("MIRAGE_VENDOR");
+    return !vendor || std::strcmp(vendor, "nvidia") != 0;
+  }();
+  return rocm;
+}
+
 bool half_precision(const Tensor& t) { return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16; }
 
 // What both fused kernels require of the inputs: 4-D (batch, heads, length, head dim), one head
-// dim for all three, a multiple of 8 up to 256, no dropout (see above), and equal head counts.
-bool fused_shapes_fit(const Tensor& q, const Tensor& k, const Tensor& v, double dropout_p, bool enable_gqa) {
+// dim for all three, a multiple of 8 up to 256, no dropout (see above), and equal head counts,
+// or, under enable_gqa for a kernel that takes grouped-query attention, query heads a multiple of
+// key heads and as many key heads as value heads (sdp_utils' check_grouped_query_attention).
+bool fused_shapes_fit(const Tensor& q, const Tensor& k, const Tensor& v, double dropout_p, bool enable_gqa,
+                      bool supports_gqa) {
   // symbolic sizes (torch.compile's fake tensors) are read as such: reading them as ints would
   // specialise every dimension, batch and sequence length included
   if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4 || q.is_nested()) return false;
   const c10::SymInt head_dim = q.sym_size(-1);
   if (k.sym_size(-1) != head_dim || v.sym_size(-1) != head_dim || head_dim % 8 != 0 || head_dim > 256) return false;
   if (dropout_p > 0.0) return false;
-  return !enable_gqa || q.sym_size(1) == k.sym_size(1);
+  if (enable_gqa && supports_gqa) return q.sym_size(1) % k.sym_size(1) == 0 && k.sym_size(1) == v.sym_size(1);
+  return q.sym_size(1) == k.sym_size(1) && q.sym_size(1) == v.sym_size(1);
 }
 
 int64_t choose_backend(const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& mask,
                        double dropout_p, bool /*is_causal*/, std::optional<double> /*scale*/, bool enable_gqa) {
   auto& ctx = at::globalContext();
-  const bool shapes = fused_shapes_fit(q, k, v, dropout_p, enable_gqa);
+  // Grouped-query attention: flash attention takes it on both vendors, memory-efficient
+  // attention on CUDA only (sdp_utils.cpp's backend_supports_grouped_query_attention, supports_gqa).
+  const bool flash_shapes = fused_shapes_fit(q, k, v, dropout_p, enable_gqa, true);
+  const bool efficient_shapes = fused_shapes_fit(q, k, v, dropout_p, enable_gqa, !rocm_profile());
   for (SDPBackend backend : ctx.sDPPriorityOrder()) {
     switch (backend) {
       case SDPBackend::flash_attention:
-        if (ctx.userEnabledFlashSDP() && shapes && half_precision(q) && !(mask && mask->defined())) {
+        if (ctx.userEnabledFlashSDP() && flash_shapes && half_precision(q) && !(mask && mask->defined())) {
           return static_cast<int64_t>(backend);
         }
         break;
       case SDPBackend::efficient_attention:
-        if (ctx.userEnabledMemEfficientSDP() && shapes && (half_precision(q) || q.scalar_type() == at::kFloat)) {
+        if (ctx.userEnabledMemEfficientSDP() && efficient_shapes && (half_precision(q) || q.scalar_type() == at::kFloat)) {
           return static_cast<int64_t>(backend);
         }
         break;
@@ -83,15 +100,6 @@ int64_t choose_backend(const Tensor& q, const Tensor& k, const Tensor& v, const 
 
 // An empty tensor with `like`'s options: what CUDA returns for outputs it does not compute.
 Tensor no_values_like(const Tensor& like) { return at::empty({0}, like.options()); }
-
-// Whether the emulated device presents a ROCm build (its kernels' outputs differ in shape).
-static bool rocm_profile() {
-  static const bool rocm = [] {
-    const char* vendor = std::getenv("MIRAGE_VENDOR");
-    return !vendor || std::strcmp(vendor, "nvidia") != 0;
-  }();
-  return rocm;
-}
 
 // The attention output in the layout torch's meta kernel gives it (the query's strides), which
 // compiled graphs assert; the CPU kernel writes its own layout.
@@ -186,7 +194,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> efficient_attention_backward_kernel(c
   // The bias's gradient too (the CPU kernel gives none): from the probabilities the logsumexp
   // gives back, P = exp(S - lse), dS = P * (dP - rowsum(dO * O)), and dbias = dS summed to its shape.
   const auto acc = at::kFloat;
-  const Tensor q = query.to(acc), k = key.to(acc), v = value.to(acc), o = out.to(acc), go = grad_out.to(acc);
+  // grouped-query attention: each key and value head serves `groups` query heads in turn
+  const int64_t groups = query.size(1) / key.size(1);
+  const Tensor q = query.to(acc), k = key.to(acc).repeat_interleave(groups, 1),
+               v = value.to(acc).repeat_interleave(groups, 1), o = out.to(acc), go = grad_out.to(acc);
   const double s = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(query.size(-1)));
   Tensor scores = at::matmul(q, k.transpose(-2, -1)) * s + attn_bias.to(acc);
   if (is_causal) {
@@ -196,8 +207,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> efficient_attention_backward_kernel(c
   const Tensor probs = at::exp(scores - lse.unsqueeze(-1));
   const Tensor grad_scores = probs * (at::matmul(go, v.transpose(-2, -1)) - (go * o).sum(-1, true));
   const auto type = query.scalar_type();
-  return {(at::matmul(grad_scores, k) * s).to(type), (at::matmul(grad_scores.transpose(-2, -1), q) * s).to(type),
-          at::matmul(probs.transpose(-2, -1), go).to(type), at::sum_to(grad_scores, attn_bias.sizes()).to(attn_bias.scalar_type())};
+  const auto per_key_head = [&](const Tensor& grad) { return grad.unflatten(1, {key.size(1), groups}).sum(2).to(type); };
+  return {(at::matmul(grad_scores, k) * s).to(type), per_key_head(at::matmul(grad_scores.transpose(-2, -1), q) * s),
+          per_key_head(at::matmul(probs.transpose(-2, -1), go)), at::sum_to(grad_scores, attn_bias.sizes()).to(attn_bias.scalar_type())};
 }
 
 

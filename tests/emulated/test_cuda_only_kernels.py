@@ -1,6 +1,7 @@
 """Kernels a CUDA build has and a CPU build lacks, reached by ordinary training code: the fused
 LSTM / GRU cells nn.LSTM / nn.GRU / nn.LSTMCell / nn.GRUCell run on a CUDA device."""
 
+import contextlib
 import copy
 
 import pytest
@@ -91,6 +92,38 @@ def test_forcing_a_fused_attention_backend_runs_that_backend():
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION), pytest.raises(RuntimeError, match="No available kernel"):
         nn.functional.scaled_dot_product_attention(*(t.float().cuda() for t in (q, k, v)))
     assert torch._fused_sdp_choice(qd, qd, qd) == SDPBackend.FLASH_ATTENTION.value  # a GPU's default choice
+
+
+def test_grouped_query_attention_takes_the_fused_kernels_a_gpu_build_gives_it():
+    """Fewer key/value heads than query heads (Llama 3's 8 for 32) under enable_gqa: flash attention
+    takes them on both vendors and memory-efficient attention on CUDA only (sdp_utils.cpp), so a
+    Llama's attention never falls back to math, whose (batch, heads, length, length) float32 scores
+    are 16 GiB for Llama 3 8B at 8k tokens and would make a job that fits a GPU run out of memory."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 40, 32, dtype=torch.float16)
+    k, v = (torch.randn(2, 2, 40, 32, dtype=torch.float16) for _ in range(2))
+    upstream = torch.randn(2, 8, 40, 32)
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    expected = nn.functional.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+    expected_grads = torch.autograd.grad(expected, leaves, upstream)
+    fused = [(None, "ScaledDotProductFlashAttentionBackward0")]
+    if not torch.version.hip:
+        fused.append((SDPBackend.EFFICIENT_ATTENTION, "ScaledDotProductEfficientAttentionBackward0"))
+    for backend, node in fused:
+        qd, kd, vd = (t.cuda().requires_grad_() for t in (q, k, v))
+        with sdpa_kernel(backend) if backend else contextlib.nullcontext():
+            out = nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+        assert type(out.grad_fn).__name__ == node
+        torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-3, atol=2e-3)
+        out.backward(upstream.half().cuda())
+        for got, want in zip((qd.grad, kd.grad, vd.grad), expected_grads):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got.float().cpu(), want, rtol=1e-2, atol=1e-2)
+    if torch.version.hip:  # ROCm's memory-efficient kernel takes no grouped-query attention
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION), pytest.raises(RuntimeError, match="No available kernel"):
+            nn.functional.scaled_dot_product_attention(q.cuda(), k.cuda(), v.cuda(), enable_gqa=True)
 
 
 def test_a_cuda_only_operator_that_is_not_emulated_says_so():
