@@ -68,10 +68,22 @@ def test_a_script_sees_its_argv_env_cwd_main_and_devices(tmp_path):
 
 
 def test_module_and_code_programs_run_as_the_interpreter_runs_them(tmp_path):
-    (tmp_path / "probe_module.py").write_text(FORKED_CHECK + "print(__name__, sys.argv[1:], forked_from_server())\n")
+    """Their stacks too: what a traceback, a profiler or a memory snapshot walks starts where
+    `python -m` starts it (runpy's frames), with none of the fork server's beneath."""
+    (tmp_path / "probe_module.py").write_text(
+        FORKED_CHECK + "import traceback\n"
+        "print(__name__, sys.argv[1:], 'MIRAGE_SESSION' not in os.environ or forked_from_server())\n"
+        "print([(frame.filename, frame.name) for frame in traceback.extract_stack()])\n")
+    import subprocess
+    import sys
+
+    as_python_runs_it = subprocess.run([sys.executable, "-m", "probe_module", "x"], cwd=tmp_path, capture_output=True,
+                                       text=True).stdout
+    assert "'<frozen runpy>', '_run_module_as_main'" in as_python_runs_it
     result = mirage("run", "--workdir", str(tmp_path), "--quiet", "--", "python", "-m", "probe_module", "x")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "__main__ ['x'] True"
+    assert result.stdout.splitlines()[0] == "__main__ ['x'] True"
+    assert result.stdout == as_python_runs_it
     code = FORKED_CHECK + "print(sys.argv, sys.path[0] == '', forked_from_server())"
     result = mirage("run", "--quiet", "--", "python", "-u", "-c", code, "y")
     assert result.returncode == 0, result.stderr

@@ -187,16 +187,16 @@ def run(program: Program, search_path: list[str]) -> NoReturn:
 
     # The program's code is the bottom of its stack, as under `python`: a profiler's stack, a
     # traceback, sys._getframe see none of this function's frames (mirage/runtime/unprofiled.py).
-    from mirage.runtime.unprofiled import run_as_main
+    from mirage.runtime.unprofiled import call_at_bottom
 
     main = _fresh_main()
     try:
         if program.kind == "module":
             sys.argv[0] = "-m"
-            runpy._run_module_as_main(program.target, alter_argv=True)
+            call_at_bottom(runpy._run_module_as_main, program.target, True)
         elif program.kind == "code":
             main.__dict__.update(__loader__=None, __spec__=None, __package__=None, __doc__=None)
-            run_as_main(compile(program.target, "<string>", "exec", dont_inherit=True), main.__dict__)
+            call_at_bottom(exec, compile(program.target, "<string>", "exec", dont_inherit=True), main.__dict__)
         else:
             with io.open_code(program.target) as source_file:
                 source = source_file.read()
@@ -204,13 +204,13 @@ def run(program: Program, search_path: list[str]) -> NoReturn:
 
             main.__dict__.update(__file__=program.target, __cached__=None, __spec__=None, __package__=None,
                                  __doc__=None, __loader__=SourceFileLoader("__main__", program.target))
-            run_as_main(compile(source, program.target, "exec", dont_inherit=True), main.__dict__)
+            call_at_bottom(exec, compile(source, program.target, "exec", dont_inherit=True), main.__dict__)
     except SystemExit as exit_request:
         _shut_down(_exit_code(exit_request))
     except BaseException as error:  # noqa: BLE001 - the interpreter's own top-level handler, repeated
-        # From the program's first frame on (run's and run_as_main's are mirage's), as `python`
-        # prints it; with -m, runpy's frames stay, as they do there.
-        error.__traceback__ = _without_frames_of(error.__traceback__, {run.__code__, run_as_main.__code__})
+        # From the program's first frame on (run's and call_at_bottom's are mirage's), as
+        # `python` prints it; with -m, runpy's frames stay, as they do there.
+        error.__traceback__ = _without_frames_of(error.__traceback__, {run.__code__, call_at_bottom.__code__})
         sys.excepthook(type(error), error, error.__traceback__)
         _shut_down(1, by_sigint=isinstance(error, KeyboardInterrupt))
     _shut_down(0)

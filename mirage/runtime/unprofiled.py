@@ -4,7 +4,7 @@ showed its frames would tell mirage from a GPU box. The shim's built-ins
 (mirage/shim/unprofiled.h) take the calling thread's profile function off while such code
 runs, so the profiler sees one call of a built-in function where torch._C has one, and nothing
 of mirage beneath it. The same goes for the stack the profiler finds when it starts: the
-program's script is the bottom of its thread's stack (run_as_main), and the session's watch
+program's script is the bottom of its thread's stack (call_at_bottom), and the session's watch
 (mirage/runtime/session.py) is a thread with no Python on it (watch_connection)."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from types import CodeType
 from typing import Any, Callable
 
 
@@ -24,8 +23,8 @@ def _shim() -> ctypes.PyDLL:
     shim.mirage_unprofiled.argtypes = [ctypes.py_object, ctypes.c_char_p]
     shim.mirage_unprofiled_around.restype = ctypes.py_object
     shim.mirage_unprofiled_around.argtypes = [ctypes.py_object] * 3 + [ctypes.c_char_p]
-    shim.mirage_run_as_main.restype = ctypes.py_object
-    shim.mirage_run_as_main.argtypes = [ctypes.py_object, ctypes.py_object]
+    shim.mirage_call_at_bottom.restype = ctypes.py_object
+    shim.mirage_call_at_bottom.argtypes = [ctypes.py_object, ctypes.py_object]
     shim.mirage_watch_connection.restype = None
     shim.mirage_watch_connection.argtypes = [ctypes.c_int, ctypes.py_object, ctypes.c_char_p]
     return shim
@@ -44,10 +43,10 @@ def unprofiled_around(call: Callable, before: Callable[..., Any], after: Callabl
     return _shim().mirage_unprofiled_around(call, before, after, (name or call.__name__).encode())
 
 
-def run_as_main(code: CodeType, globals_: dict) -> None:
-    """exec(code, globals_) with the code's frame the bottom of the stack, as `python script.py`
-    has it: no frame of the caller's (the fork server's) beneath it."""
-    _shim().mirage_run_as_main(code, globals_)
+def call_at_bottom(function: Callable, *args: Any) -> Any:
+    """function(*args) with no frame of the caller's (the fork server's) beneath it, as `python`
+    has its program: exec(code, globals) for a script or -c, runpy's for -m."""
+    return _shim().mirage_call_at_bottom(function, args)
 
 
 def watch_connection(fd: int, on_close: Callable[[], None], message: str) -> None:

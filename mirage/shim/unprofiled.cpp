@@ -99,16 +99,16 @@ extern "C" PyObject* mirage_unprofiled_around(PyObject* call, PyObject* before, 
   return builtin(name, call_around, {{"call", call}, {"before", before}, {"after", after}});
 }
 
-extern "C" PyObject* mirage_run_as_main(PyObject* code, PyObject* globals) {
+extern "C" PyObject* mirage_call_at_bottom(PyObject* callable, PyObject* args) {
 #if PY_VERSION_HEX < 0x030D0000  // 3.11, 3.12: the chain hangs off the thread's C frame
   _PyCFrame* cframe = PyThreadState_Get()->cframe;
   _PyInterpreterFrame* beneath = cframe->current_frame;
   cframe->current_frame = nullptr;
-  PyObject* result = PyEval_EvalCode(code, globals, globals);
+  PyObject* result = PyObject_CallObject(callable, args);
   cframe->current_frame = beneath;
   return result;
 #else  // 3.13 moved it to the thread state; not checked there yet: the caller's frames stay
-  return PyEval_EvalCode(code, globals, globals);
+  return PyObject_CallObject(callable, args);
 #endif
 }
 

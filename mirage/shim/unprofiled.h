@@ -47,11 +47,12 @@ PyObject* mirage_unprofiled(PyObject* fn, const char* name);
 // `before(*args, **kwargs)` unprofiled first and `after(what before returned, whether `call`
 // returned)` unprofiled after it (also when `call` raises): a wrapper of the program's own work.
 PyObject* mirage_unprofiled_around(PyObject* call, PyObject* before, PyObject* after, const char* name);
-// Runs `code` in `globals` as the bottom of this thread's Python stack, as `python script.py`
-// runs a script: the fork server's own frames beneath it are not on the stack a profiler, a
-// traceback or sys._getframe walks (new reference, or NULL with the error set). CPython 3.11's
-// frame chain: the first frame an evaluation pushes links to the thread's current frame.
-PyObject* mirage_run_as_main(PyObject* code, PyObject* globals);
+// Calls `callable(*args)` as the bottom of this thread's Python stack, as `python script.py`
+// runs a script (exec of its code) or `python -m` runpy: the fork server's own frames beneath
+// it are not on the stack a profiler, a memory snapshot, a traceback or sys._getframe walks (new
+// reference, or NULL with the error set). CPython 3.11's frame chain: the first frame an
+// evaluation pushes links to the thread's current frame.
+PyObject* mirage_call_at_bottom(PyObject* callable, PyObject* args);
 // Watches the session's connection `fd` from a thread of its own, which no Python profiler
 // lists: once the far end closes it, calls `on_close()` (which ends the process), or, with
 // the interpreter finalizing, writes `message` to stderr and exits with status 1.
