@@ -30,6 +30,9 @@ STEP_MARKER = "mirage.step"
 
 _torch: ModuleType | None = None
 _user_marks = False  # the program marks its own steps: optimizer steps no longer do
+# Optimizer steps under way: an optimizer that steps others (torchtitan's OptimizersContainer
+# is an Optimizer holding one per model part) ends one training step, not one per optimizer.
+_optimizer_steps_open = 0
 _ranges: list[tuple[str, int, int, int]] = []  # NVTX ranges for the trace: (name, thread, start ns, end ns)
 _open_ranges = threading.local()
 
@@ -61,8 +64,17 @@ def _mark_step() -> None:
     _torch.ops.mirage.clock_mark_step()
 
 
+def _optimizer_step_begins(optimizer, args, kwargs) -> None:
+    global _optimizer_steps_open
+    _optimizer_steps_open += 1
+
+
 def _optimizer_step_done(optimizer, args, kwargs) -> None:
-    if not _user_marks:
+    """The outermost optimizer step ends a training step (one that raised never reaches here,
+    and ends the training loop with it)."""
+    global _optimizer_steps_open
+    _optimizer_steps_open = max(0, _optimizer_steps_open - 1)
+    if not _user_marks and _optimizer_steps_open == 0:
         _mark_step()
 
 
@@ -166,14 +178,15 @@ def install(torch: ModuleType) -> None:
         return
     _torch = torch
     from torch.utils.flop_counter import flop_registry
-    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     library = torch.library.Library("mirage", "IMPL")
     library.impl("flop_count", _flop_count, "CompositeExplicitAutograd")
     install.library = library  # kept alive with the process: dropping it unregisters the kernel
     names = [packet._qualified_op_name for packet in flop_registry if hasattr(packet, "_qualified_op_name")]
     torch.ops.mirage.clock_set_flop_ops(names)
-    register_optimizer_step_post_hook(unprofiled(_optimizer_step_done))  # not the program's: unprofiled.py
+    register_optimizer_step_pre_hook(unprofiled(_optimizer_step_begins))  # not the program's: unprofiled.py
+    register_optimizer_step_post_hook(unprofiled(_optimizer_step_done))
     if os.environ.get("MIRAGE_VIRTUAL_CLOCK") and not _is_torchrun_agent():
         _install_virtual_clock()
     if not _is_torchrun_agent():

@@ -133,10 +133,22 @@ def phantom() -> None:
     dist.destroy_process_group()
 
 
+class OptimizerOfOptimizers(torch.optim.Optimizer):
+    """An Optimizer that steps others, as torchtitan's OptimizersContainer does (one per model part)."""
+
+    def __init__(self, parts: list[torch.nn.Module]) -> None:
+        self.inner = [torch.optim.SGD(part.parameters(), lr=0.1) for part in parts]
+        super().__init__([p for part in parts for p in part.parameters()], {"lr": 0.1})
+
+    def step(self, closure=None) -> None:
+        for optimizer in self.inner:
+            optimizer.step()
+
+
 def steps() -> None:
     """A few optimizer steps, then steps marked by the program (the marker replaces them)."""
     model = torch.nn.Linear(256, 256, device="cuda")
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = OptimizerOfOptimizers([model]) if os.environ.get("NESTED") else torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(3):
         model(torch.randn(32, 256, device="cuda")).sum().backward()
         opt.step()
