@@ -199,24 +199,23 @@ def test_predict_only_collectives_move_no_payload_and_take_the_full_runs_time():
     assert [predicted[r]["all_reduce_ms"] for r in (0, 1)] == [full[r]["all_reduce_ms"] for r in (0, 1)]
 
 
+def _steps_of_the_steps_workload(tmp_path, env: dict[str, str]) -> tuple[int, str]:
+    summary = tmp_path / "summary.json"
+    run = mirage("run", "--quiet", "--timing", "--summary-json", str(summary), "--profile", "h100",
+                 "--gpus-per-node", "1", "--", sys.executable, str(WORKLOAD), "steps", env=env)
+    assert run.returncode == 0, run.stderr
+    rank = json.loads(summary.read_text())["timing"]["ranks"][0]
+    return rank["steps"], rank["steps_from"]
+
+
 def test_an_optimizer_that_steps_optimizers_ends_one_step(tmp_path):
     """torchtitan steps an Optimizer holding one optimizer per model part: 3 training steps are 3
     steps, not 6 (half of them empty), or the report's median step is wrong."""
-    summary = tmp_path / "summary.json"
-    run = mirage("run", "--quiet", "--timing", "--summary-json", str(summary), "--profile", "h100",
-                 "--gpus-per-node", "1", "--", sys.executable, str(WORKLOAD), "steps", env={"NESTED": "1"})
-    assert run.returncode == 0, run.stderr
-    rank = json.loads(summary.read_text())["timing"]["ranks"][0]
-    assert (rank["steps"], rank["steps_from"]) == (3, "optimizer")
+    assert _steps_of_the_steps_workload(tmp_path, {"NESTED": "1"}) == (3, "optimizer")
 
 
 def test_steps_come_from_the_users_marker_once_it_marks(tmp_path):
-    summary = tmp_path / "summary.json"
-    run = mirage("run", "--quiet", "--timing", "--summary-json", str(summary), "--profile", "h100",
-                 "--gpus-per-node", "1", "--", sys.executable, str(WORKLOAD), "steps", env={"MARK": "1"})
-    assert run.returncode == 0, run.stderr
-    rank = json.loads(summary.read_text())["timing"]["ranks"][0]
-    assert (rank["steps"], rank["steps_from"]) == (4, "marker")
+    assert _steps_of_the_steps_workload(tmp_path, {"MARK": "1"}) == (4, "marker")
 
 
 def test_trace_has_every_ranks_kernels_collectives_ranges_and_memory(tmp_path):
