@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -178,7 +179,8 @@ def test_predict_only_predicts_what_the_full_run_predicts(tmp_path):
 
 def test_predict_only_collectives_move_no_payload_and_take_the_full_runs_time():
     """--predict-only: a collective's ranks meet and agree on the clock, but its floating-point
-    payload (data no kernel computed) does not move (README: an output keeps what it held); its
+    payload (data no kernel computed) does not move (README: an output keeps what it held, which
+    its bits read as integers show; read as floats, such data is the placeholder 0); its
     predicted time is the full run's. Integer collectives, which carry what steers the program
     (all_gather_object's pickles and sizes), still move their bytes. Desyncs are still caught
     (tests/test_distributed.py's desync test runs under --predict-only too)."""
@@ -191,8 +193,13 @@ def test_predict_only_collectives_move_no_payload_and_take_the_full_runs_time():
         results[mode] = {line["rank"]: line for line in
                          (json.loads(l.split("] ", 1)[1]) for l in run.stdout.splitlines() if "{" in l)}
     full, predicted = results["full"], results["predict-only"]
+    bits = {value: struct.unpack("<i", struct.pack("<f", value))[0] for value in (1.0, 2.0, 3.0)}
     assert [full[r]["first"] for r in (0, 1)] == [3.0, 3.0]  # 1 + 2: the payload moved
-    assert [predicted[r]["first"] for r in (0, 1)] == [1.0, 2.0]  # each rank's own: none moved
+    assert [full[r]["first_bits"] for r in (0, 1)] == [bits[3.0], bits[3.0]]
+    assert [predicted[r]["first_bits"] for r in (0, 1)] == [bits[1.0], bits[2.0]]  # each rank's own: none moved
+    # what the host reads of floating-point data no kernel computed is the placeholder 0 (README)
+    assert [predicted[r][key] for r in (0, 1) for key in ("first", "loss", "loss_on_host")] == [0.0] * 6
+    assert full[0]["loss"] == full[0]["loss_on_host"] == 9.0 * 1024
     assert all(full[r]["all_reduce_ms"] > 0 for r in (0, 1))
     for results_of_mode in (full, predicted):
         assert all(results_of_mode[r]["objects"] == [{"rank": 0}, {"rank": 1}] for r in (0, 1))

@@ -14,6 +14,7 @@
 
 #include "config.h"
 
+#include <c10/core/ScalarType.h>
 #include <c10/core/Stream.h>
 
 #include <cstdint>
@@ -30,6 +31,12 @@ inline bool predict_only() {
   static const bool on = timing() && std::getenv("MIRAGE_PREDICT_ONLY") != nullptr && *std::getenv("MIRAGE_PREDICT_ONLY");
   return on;
 }
+
+// --predict-only: whether values of this type are phantoms (no kernel computed them), which the
+// host reads as the placeholder 0 (.item(), copies to the host). Integers and bools are not: what
+// steers a program (token counts, all_gather_object's pickles) is computed and moved for real
+// (the emulated NCCL's no_payload.cpp draws the same line).
+inline bool is_phantom_dtype(c10::ScalarType dtype) { return c10::isFloatingType(dtype) || c10::isComplexType(dtype); }
 
 // What bounded a piece of device work (the report's split of a step).
 enum class WorkKind : uint8_t { kCompute = 0, kMemory = 1, kCollective = 2, kCopy = 3 };

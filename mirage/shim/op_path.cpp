@@ -109,7 +109,19 @@ static void clock_kernel(const c10::OperatorHandle& op, const OpTraits& traits, 
 // --predict-only: the op's results from its Meta kernel (contents undefined) and its predicted
 // time, without running the CPU kernel; false where the op needs its data (it then runs).
 static bool predict_without_running(const c10::OperatorHandle& op, const OpTraits& traits, torch::jit::Stack* stack) {
-  if (traits.synchronizes) return false;  // .item(), nonzero: their values steer the program
+  if (traits.synchronizes) {  // .item(), nonzero: their values steer the program, so they run...
+    const c10::IValue& input = stack->back();
+    if (op.schema().name() != "aten::_local_scalar_dense" || !input.isTensor() ||
+        !is_phantom_dtype(input.toTensor().scalar_type())) {
+      return false;
+    }
+    // ...but a floating-point value no kernel computed reads as the placeholder 0 (README)
+    const at::Tensor scalar = input.toTensor();
+    clock_kernel(op, traits, scalar.device().index(), scalar.scalar_type(), scalar.itemsize(), {input},
+                 stack->data() + (stack->size() - 1));
+    stack->back() = c10::IValue(at::zeros({}, scalar.options().device(c10::kCPU)).item());
+    return true;
+  }
   const size_t base = stack->size() - traits.num_args;
   std::vector<c10::IValue> arguments(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
   DeviceIndex device = -1;

@@ -118,7 +118,9 @@ def allreduce() -> None:
 def phantom() -> None:
     """Two ranks all-reduce a buffer each filled from the host with its rank + 1 (a host copy
     moves its bytes in every mode); prints the all_reduce's predicted time, what the buffer
-    holds after it, and what all_gather_object (pickles in uint8 tensors) gathered."""
+    holds after it (as a float, and its bits as an int32, which the host reads for real under
+    --predict-only), a loss no kernel computed, and what all_gather_object (pickles in uint8
+    tensors) gathered."""
     dist, rank, _, t = two_ranks()
     objects = [None, None]
     dist.all_gather_object(objects, {"rank": rank})
@@ -128,7 +130,9 @@ def phantom() -> None:
     dist.all_reduce(t)
     end.record()
     torch.cuda.synchronize()
+    loss = (t.view(1024, 1024) @ t.view(1024, 1024)).mean()
     print(json.dumps({"rank": rank, "all_reduce_ms": start.elapsed_time(end), "first": t[0].item(),
+                      "first_bits": t.view(torch.int32)[0].item(), "loss": loss.item(), "loss_on_host": loss.cpu().tolist(),
                       "objects": objects}))
     dist.destroy_process_group()
 
