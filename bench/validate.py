@@ -128,13 +128,17 @@ def e2e_table(rows: list[dict]) -> str:
         like = ("yes" if r["like_for_like"] else "no") + (f": {r['note']}" if r.get("note") else "")
         status = r["status"] + (f"; previous: {r['previous']}" if r.get("previous") else "")
         predicted, error = r.get("predicted_tokens_per_s_per_gpu"), ""
+        peak = f"{r.get('peak_memory_gib', '')}"
+        if r.get("predicted_peak_memory_gib"):  # the trainer's own reading of the prediction, beside the published one
+            peak += (f" (predicted {r['predicted_peak_memory_gib']}, "
+                     f"{100 * (r['predicted_peak_memory_gib'] / r['peak_memory_gib'] - 1):+.1f}%)")
         if predicted:
             error = f"{100 * (predicted / r['tokens_per_s_per_gpu'] - 1):+.1f}%"
             if r["like_for_like"]:
                 errors.append(predicted / r["tokens_per_s_per_gpu"] - 1)
         out.append(f"| {r['id']} | {r['group']} | {r['gpus']}x {r['profile']} ({r['nodes']} node{'s' if r['nodes'] > 1 else ''}) "
                    f"| {r['model']} | {par} | {batch} | {r['ac']} | {precision} | {r['tokens_per_s_per_gpu']:,} "
-                   f"| {r.get('peak_memory_gib', '')} | {f'{predicted:,.0f}' if predicted else ''} | {error} | {like} | {status} |")
+                   f"| {peak} | {f'{predicted:,.0f}' if predicted else ''} | {error} | {like} | {status} |")
     like = [r for r in rows if r["like_for_like"]]
     summary = [f"\n\n{len(rows)} rows, {len(like)} like for like ({sum(r['nodes'] > 1 for r in like)} multi-node, "
                f"{sum(r['ac'] == 'none' for r in like)} without activation checkpointing); predicted so far: "

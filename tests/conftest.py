@@ -31,14 +31,10 @@ def mirage(*args: str, timeout: float = 600, input: str | None = None,
 
 @pytest.fixture(scope="session")
 def triton_path() -> Path:
-    """A folder holding triton (the release paired with torch 2.13), installed once without
-    dependencies (.venv-triton/, ignored by git), for a workload's PYTHONPATH: most GPU boxes
-    have triton, the CPU build of torch does not install it, and the suite mostly runs without."""
-    target = REPO / ".venv-triton"
-    if not (target / "triton" / "__init__.py").exists():
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-                        "triton==3.9.0"], check=True, timeout=900)
-    return target
+    """triton for a workload's PYTHONPATH (tests/torchtitan_setup.py installs it once)."""
+    import torchtitan_setup
+
+    return torchtitan_setup.install_triton()
 
 
 SWEEP_RESULTS = REPO / "docs" / "conformance" / "sweeps"

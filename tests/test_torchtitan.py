@@ -1,85 +1,35 @@
 """Unmodified torchtitan 0.2.2 (the release built for torch 2.13) trains its Llama 3 debug model on
 emulated GPUs: FSDP, TP, PP, CP, activation checkpointing, torch.compile, checkpoint resume.
 
-torchtitan and what it needs (datasets, tokenizers, tyro, tensorboard...) are installed once
-into a folder of their own (.venv-torchtitan/, ignored by git) on the workload's PYTHONPATH, with
-triton (conftest's `triton_path`), which torchtitan imports. torchtitan's test assets live in
-its repository, not its wheel, so the run's own are made here: a byte-level BPE tokenizer trained
-with `tokenizers` on a corpus of the Python standard library's docstrings, and that corpus as the
-`c4_test` dataset (JSON lines with a `text` field). Every option is a command-line flag of
-torchtitan's own; the runs differ from its debug_model.toml in steps, sequence length and batch.
+torchtitan, triton (which it imports) and the tokenizer and dataset its runs read are made by
+tests/torchtitan_setup.py. Every option is a command-line flag of torchtitan's own; the runs
+differ from its debug_model.toml in steps, sequence length and batch.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, mirage
+import torchtitan_setup
+from conftest import mirage
 
-TORCHTITAN = ["torchtitan==0.2.2", "torchdata==0.11.0"]
-DEPENDENCIES = ["datasets", "tokenizers", "tomli", "fsspec", "tyro", "einops", "tensorboard", "pillow"]
 STEPS = 8
 
 
 @pytest.fixture(scope="module")
 def torchtitan_path() -> Path:
-    target = REPO / ".venv-torchtitan"
-    if not (target / "torchtitan" / "train.py").exists():
-        pip = [sys.executable, "-m", "pip", "install", "-q", "--target", str(target)]
-        # torchtitan's and torchdata's own requirements name torch, which must stay the CPU build
-        subprocess.run([*pip, "--no-deps", *TORCHTITAN], check=True, timeout=900)
-        subprocess.run([*pip, *DEPENDENCIES], check=True, timeout=900)
-    return target
-
-
-def corpus() -> list[str]:
-    """Long docstrings of the standard library (the same on every machine with this Python)."""
-    import argparse, asyncio, collections, email, logging, pathlib, textwrap, unittest, zipfile
-
-    texts = set()
-    for module in (argparse, asyncio, collections, email, inspect, json, logging, pathlib, re, subprocess, textwrap,
-                   unittest, zipfile):
-        for obj in [module, *vars(module).values()]:
-            if inspect.ismodule(obj) or inspect.isclass(obj) or inspect.isfunction(obj):
-                doc = inspect.getdoc(obj)
-                if doc and len(doc) > 200:
-                    texts.add(doc)
-    return sorted(texts)
+    return torchtitan_setup.install_torchtitan()
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory, torchtitan_path) -> Path:
     """tokenizer/ (tokenizer.json, tokenizer_config.json) and c4_test/data.json."""
-    root = tmp_path_factory.mktemp("torchtitan_assets")
-    texts = corpus()
-    (root / "c4_test").mkdir()
-    with open(root / "c4_test" / "data.json", "w") as f:
-        for text in texts:
-            f.write(json.dumps({"text": text}) + "\n")
-    train = f"""
-import sys
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
-tok = Tokenizer(models.BPE())
-tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-tok.decoder = decoders.ByteLevel()
-special = ["<|begin_of_text|>", "<|end_of_text|>"]
-tok.train([{str(root / "c4_test" / "data.json")!r}], trainers.BpeTrainer(vocab_size=2000, special_tokens=special))
-tok.save({str(root / "tokenizer" / "tokenizer.json")!r})
-"""
-    (root / "tokenizer").mkdir()
-    subprocess.run([sys.executable, "-c", train], check=True, env={**os.environ, "PYTHONPATH": str(torchtitan_path)})
-    (root / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "add_bos_token": True,
-         "add_eos_token": True}))
-    return root
+    return torchtitan_setup.make_assets(tmp_path_factory.mktemp("torchtitan_assets"), torchtitan_path)
 
 
 def train(assets: Path, torchtitan_path: Path, triton_path: Path, gpus: int, *flags: str,
@@ -87,8 +37,7 @@ def train(assets: Path, torchtitan_path: Path, triton_path: Path, gpus: int, *fl
     """`torchrun -m torchtitan.train` under mirage; the loss of each step, from torchtitan's own line."""
     command = ["torchrun", "--standalone", f"--nproc_per_node={gpus}", "-m", "torchtitan.train",
                "--model.name", "llama3", "--model.flavor", "debugmodel",
-               "--model.hf_assets_path", str(assets / "tokenizer"),
-               "--training.dataset", "c4_test", "--training.dataset_path", str(assets / "c4_test"),
+               *torchtitan_setup.data_flags(assets),
                "--training.steps", str(steps), "--training.seq_len", "512", "--training.local_batch_size", "2",
                "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "2e-3", "--metrics.log_freq", "1", "--metrics.disable_color_printing",
                "--job.dump_folder", str(workdir or assets / "outputs"), *flags]

@@ -1,0 +1,126 @@
+"""torchtitan's published Llama 3.1 runs, predicted on emulated H100s by unmodified torchtitan.
+
+    python bench/torchtitan_published.py [--cases NAME ...] [--steps N]
+
+torchtitan's benchmark page (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md)
+gives throughput (TPS/GPU) and peak memory for Llama 3.1 8B, 70B and 405B on Meta's Grand Teton
+hosts: 8 H100s each, 96 GB HBM2e at 2.4 TB/s, a 500 W limit (the `h100-96gb` profile). Each case
+here is one row of its tables, run as torchtitan runs it (`torchrun -m torchtitan.train`, the
+model's flavor and the row's parallelism, batch, sequence length and activation checkpointing,
+as torchtitan's own command-line flags; torchtitan's defaults for the rest) under
+`mirage run --timing --predict-only --virtual-clock --lazy-device-memory`, with only the data
+and tokenizer pointed at local files (tests/torchtitan_setup.py makes them).
+
+For each case: the wall time of the whole run on this machine, its peak host memory (the
+largest sum, over the run's process tree, of each process's Pss, sampled every 0.5 s), the
+predicted step time (mirage's summary: the median step of the slowest rank), the TPS/GPU it
+gives (local batch x sequence length / step time), the memory torchtitan's own metrics line
+prints (its peak reserved, the published column), and their errors against the published row.
+Nothing is fitted to these rows. Prints a table; the figures go to docs/benchmarks/ (record.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from record import save  # bench/record.py: the figures beside the doc
+from scale import mirage  # bench/scale.py: one run's wall time and peak tree memory
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+import torchtitan_setup  # noqa: E402 - tests/torchtitan_setup.py: torchtitan, triton, tokenizer, dataset
+
+
+@dataclass(frozen=True)
+class Case:
+    """One published row: where it is, the job, and its figures."""
+
+    row: str
+    nodes: int
+    flavor: str
+    local_batch: int
+    seq_len: int
+    activation_checkpoint: list[str]
+    published_tps: int
+    published_gib: float
+    parallelism: list[str] = field(default_factory=list)
+
+
+SELECTIVE_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
+CASES = {
+    "8b-fsdp-8": Case("Table 1 (8B, 8 GPUs): FSDP", 1, "8B", 2, 8192, SELECTIVE_OP, 5762, 82.4),
+    "8b-fsdp-16": Case("Table 1's job on 2 nodes (no published row: host-memory scaling)", 2, "8B", 2, 8192,
+                       SELECTIVE_OP, 0, 0.0),
+    "8b-fsdp-128": Case("Table 3 (8B, 128 GPUs): FSDP", 16, "8B", 2, 8192, SELECTIVE_OP, 5605, 67.0),
+}
+GPUS_PER_NODE = 8
+
+
+def torchrun(case: Case, assets: Path, dump: Path, steps: int) -> list[str]:
+    titan = ["-m", "torchtitan.train", "--model.name", "llama3", "--model.flavor", case.flavor,
+             *torchtitan_setup.data_flags(assets), "--training.local_batch_size", str(case.local_batch),
+             "--training.seq_len", str(case.seq_len), "--training.steps", str(steps),
+             "--parallelism.data_parallel_shard_degree", "-1", *case.parallelism, *case.activation_checkpoint,
+             "--metrics.log_freq", "1", "--metrics.disable_color_printing", "--job.dump_folder", str(dump)]
+    if case.nodes == 1:
+        return ["torchrun", "--standalone", f"--nproc_per_node={GPUS_PER_NODE}", *titan]
+    line = " ".join(["torchrun", "--nnodes=$MIRAGE_NUM_NODES", "--node-rank=$MIRAGE_NODE_RANK",
+                     f"--nproc-per-node={GPUS_PER_NODE}", "--rdzv-backend=c10d",
+                     "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT", *titan])
+    return ["sh", "-c", line]
+
+
+def run_case(name: str, case: Case, assets: Path, paths: str, steps: int, work: Path) -> dict:
+    summary = work / f"{name}.json"
+    result = mirage(["--timing", "--predict-only", "--virtual-clock", "--lazy-device-memory", "--profile", "h100-96gb",
+                     "--num-nodes", str(case.nodes), "--gpus-per-node", str(GPUS_PER_NODE),
+                     "--summary-json", str(summary), "--env", f"PYTHONPATH={paths}", "--",
+                     *torchrun(case, assets, work / name, steps)])
+    figures = {"row": case.row, "gpus": case.nodes * GPUS_PER_NODE, "wall_s": round(result["wall_s"], 1),
+               "host_peak_gib": round(result["peak_gib"], 2), "exit": result["code"]}
+    if result["code"] != 0:
+        figures["error"] = (result["stdout"] + result["stderr"])[-1500:]
+        return figures
+    timing = json.loads(summary.read_text())["timing"]
+    step_ms = timing["job"]["step_ms"]
+    memories = [float(gib) for gib in re.findall(r"memory:\s+([0-9.]+)GiB", result["stdout"] + result["stderr"])]
+    figures.update(step_ms=round(step_ms, 1), tps_per_gpu=round(case.local_batch * case.seq_len / (step_ms / 1e3)),
+                   memory_gib=max(memories) if memories else None)
+    if case.published_tps:
+        figures.update(published_tps=case.published_tps, published_gib=case.published_gib,
+                       tps_error_pct=round(100 * (figures["tps_per_gpu"] / case.published_tps - 1), 1))
+        if memories:
+            figures["memory_error_pct"] = round(100 * (figures["memory_gib"] / case.published_gib - 1), 1)
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["8b-fsdp-8"])
+    parser.add_argument("--steps", type=int, default=4, help="training steps a run takes (the median is reported)")
+    args = parser.parse_args()
+    paths = f"{torchtitan_setup.install_torchtitan()}:{torchtitan_setup.install_triton()}"
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="mirage-titan-") as folder:
+        work = Path(folder)
+        assets = torchtitan_setup.make_assets(work / "assets", Path(paths.split(":")[0]))
+        for name in args.cases:
+            results[name] = run_case(name, CASES[name], assets, paths, args.steps, work)
+            print(json.dumps({name: results[name]}), flush=True)
+    print(f"{'case':<12} {'GPUs':>4} {'wall s':>7} {'host GiB':>8} {'step ms':>8} {'TPS/GPU':>8} {'published':>9} "
+          f"{'error':>7} {'mem GiB':>7} {'published':>9} {'error':>7}")
+    for name, r in results.items():
+        print(f"{name:<12} {r['gpus']:>4} {r['wall_s']:>7} {r['host_peak_gib']:>8} {r.get('step_ms', '-'):>8} "
+              f"{r.get('tps_per_gpu', '-'):>8} {r.get('published_tps', '-'):>9} {r.get('tps_error_pct', '-'):>7} "
+              f"{r.get('memory_gib', '-'):>7} {r.get('published_gib', '-'):>9} {r.get('memory_error_pct', '-'):>7}")
+    save(results)
+
+
+if __name__ == "__main__":
+    main()
