@@ -81,3 +81,33 @@ def test_a_checkpoint_resumes(assets, torchtitan_path, triton_path, tmp_path):
     assert (tmp_path / "checkpoint" / f"step-{STEPS}").is_dir()
     resumed = train(assets, torchtitan_path, triton_path, 2, *checkpoint, steps=STEPS + 2, workdir=tmp_path)
     assert sorted(resumed) == [STEPS + 1, STEPS + 2] and resumed[STEPS + 1] < first[1] - 0.5
+
+
+def test_llama3_8b_on_eight_gpus_is_predicted_and_torchtitan_prints_the_prediction(assets, torchtitan_path,
+                                                                                    triton_path, tmp_path):
+    """torchtitan's own Llama 3.1 8B, as its published 8-GPU FSDP row ran it (8k tokens x 2 a rank,
+    selective activation checkpointing), on 8 emulated H100-96GB: clocked, --predict-only, with
+    no data, so it runs here (docs/benchmarks.md: ~40 s, ~2 GiB of host memory). torchtitan's
+    own metrics line prints mirage's prediction (its tps is tokens over the predicted step time),
+    and the memory it reads holds at least the sharded training state (fp32 parameter, gradient
+    and two Adam moments: 16 bytes a parameter over 8 ranks) without running out of the GPU's."""
+    summary = tmp_path / "summary.json"
+    env = {**os.environ, "PYTHONPATH": f"{torchtitan_path}:{triton_path}"}
+    result = mirage("run", "--quiet", "--timing", "--predict-only", "--virtual-clock", "--lazy-device-memory",
+                    "--profile", "h100-96gb", "--gpus-per-node", "8", "--summary-json", str(summary), "--",
+                    "torchrun", "--standalone", "--nproc_per_node=8", "-m", "torchtitan.train",
+                    "--model.name", "llama3", "--model.flavor", "8B", *torchtitan_setup.data_flags(assets),
+                    "--training.local_batch_size", "2", "--training.seq_len", "8192", "--training.steps", "3",
+                    "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op",
+                    "--metrics.log_freq", "1", "--metrics.disable_color_printing", "--job.dump_folder", str(tmp_path),
+                    env=env, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
+    output = result.stdout + result.stderr
+    parameters = int(re.search(r"Model llama3 8B size: ([0-9,]+) total parameters", output)[1].replace(",", ""))
+    last = [line for line in output.splitlines() if re.search(r"step:\s+3\s", line)]
+    assert len(last) == 8, output[-3000:]  # every rank's line
+    tps = {int(re.search(r"tps: ([0-9,]+)", line)[1].replace(",", "")) for line in last}
+    memory = {float(re.search(r"memory:\s+([0-9.]+)GiB", line)[1]) for line in last}
+    step_s = json.loads(summary.read_text())["timing"]["job"]["step_ms"] / 1e3
+    assert all(abs(value - 2 * 8192 / step_s) <= 0.01 * value for value in tps), (tps, step_s)
+    assert all(16 * parameters / 8 / 2**30 < gib < 96 for gib in memory), (memory, parameters)
