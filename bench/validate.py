@@ -129,7 +129,7 @@ def e2e_table(rows: list[dict]) -> str:
         status = r["status"] + (f"; previous: {r['previous']}" if r.get("previous") else "")
         predicted, error = r.get("predicted_tokens_per_s_per_gpu"), ""
         peak = f"{r.get('peak_memory_gib', '')}"
-        if r.get("predicted_peak_memory_gib"):  # the trainer's own reading of the prediction, beside the published one
+        if r.get("predicted_peak_memory_gib") and r.get("peak_memory_gib"):  # the prediction beside the published peak
             peak += (f" (predicted {r['predicted_peak_memory_gib']}, "
                      f"{100 * (r['predicted_peak_memory_gib'] / r['peak_memory_gib'] - 1):+.1f}%)")
         if predicted:
