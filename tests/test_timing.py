@@ -87,6 +87,28 @@ def test_fused_attention_runs_at_the_profiles_attention_efficiency():
     assert last_json(run.stdout)["attention_ms"] == pytest.approx(expected_ms, rel=1e-2)
 
 
+def test_flex_attention_is_one_kernel_costed_by_the_blocks_it_visits(tmp_path):
+    """FlexAttention's Triton kernel visits the blocks its BlockMask lists, whole: mirage's
+    block-sparse implementation (many ops) is timed as that one kernel, by the attention model,
+    forward and backward (2.5x the forward's FLOPs), so a sliding window costs what it visits.
+    The trace shows each kernel (the events around a call also time torch's own small ops)."""
+    trace = tmp_path / "trace.json"
+    run = mirage("run", "--quiet", "--timing", "--trace", str(trace), "--profile", "h100", "--gpus-per-node", "1",
+                 "--", sys.executable, str(WORKLOAD), "flex")
+    assert run.returncode == 0, run.stderr
+    m = model("h100")
+    blocks = {case: timed["blocks"] for case, timed in last_json(run.stdout).items()}
+    assert blocks == {"causal": 16 * 17 // 2, "window": 1 + 2 + 14 * 3}  # of 128 x 128 tokens, at 2048
+    kernels = sorted((e for e in json.loads(trace.read_text())["traceEvents"]
+                      if e.get("ph") == "X" and e["name"].startswith("flex_attention")), key=lambda e: e["ts"])
+    assert [e["name"] for e in kernels] == ["flex_attention", "flex_attention_backward"] * 2
+    for case, (forward, backward) in zip(("causal", "window"), (kernels[:2], kernels[2:])):
+        forward_flops = 4 * blocks[case] * 128 * 128 * 2 * 8 * 128  # 4 x D per pair, batch 2 x 8 heads
+        for kernel, flops in ((forward, forward_flops), (backward, 2.5 * forward_flops)):
+            compute_us = flops / (m["peak_tflops.bf16"] * 1e6 * m["attention_efficiency"])
+            assert kernel["dur"] == pytest.approx(compute_us + m["kernel_overhead_us"], rel=0.01), (case, kernel)
+
+
 def test_virtual_clock_makes_the_programs_own_timer_report_the_prediction():
     run = mirage("run", "--quiet", "--timing", "--virtual-clock", "--profile", "h100", "--gpus-per-node", "1", "--",
                  sys.executable, str(WORKLOAD), "gemm")

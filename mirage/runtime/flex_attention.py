@@ -22,6 +22,11 @@ with ordinary tensor operations on the device (its memory is device memory, coun
 
 Peak memory is a query block's scores (B x H x block x listed keys), never S x S.
 
+In clocked mode a call is one GPU kernel, as FlexAttention's Triton kernel is: its ops are not
+timed alone, and it is costed by the attention model from the FLOPs of the blocks it visits
+(every listed block whole, as the kernel computes it: 4 x D per query-key pair forward, 2.5 times
+that backward, the flash-attention convention) and the bytes of its operands and results.
+
 Eager calls reach it through a py_impl of the ops for the CUDA dispatch key (emulated tensors
 carry it). A compiled graph is handed to inductor as a host graph (inductor.py), where each
 flex node becomes a call of a host operator (`mirage_host::flex_attention` and its backward)
@@ -34,6 +39,7 @@ when the graph is rewritten, before inductor looks the graph up).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from types import ModuleType
@@ -185,6 +191,41 @@ def _attend(torch: ModuleType, call: _Call, block: _Block, q: Any, k: Any, v: An
     return (weights @ v) / total[..., None], logsumexp, top
 
 
+_FORWARD_KERNEL, _BACKWARD_KERNEL = 0, 1  # the shim's names for them (op_cost.cpp's fused_kernel_end)
+_BACKWARD_FLOPS = 2.5  # the backward's FLOPs over the forward's: 5 block matmuls against 2
+
+
+def _visited_pairs(call: _Call) -> int:
+    """The (query, key) pairs the GPU kernel computes: every listed block whole, for every
+    (batch, query head)."""
+    count = (call.query.size(2) + call.q_block - 1) // call.q_block
+    listed = call.kv_num[..., :count].sum()
+    if call.full_num is not None:
+        listed = listed + call.full_num[..., :count].sum()
+    return int(listed.item()) * call.q_block * call.kv_block
+
+
+@contextlib.contextmanager
+def _one_kernel(torch: ModuleType, kernel: int, call: _Call, tensors: Callable[[], Sequence[Any]]):
+    """Times what runs inside as the one kernel it stands for (clocked mode only; see the module's
+    docstring). `tensors()`, called at the end, lists the operands and results the kernel moves."""
+    if not torch.ops.mirage.clock_enabled():
+        yield
+        return
+    torch.ops.mirage.fused_kernel_begin()  # first: the block count's read below is the kernel's, no host sync
+    clocked, flops = False, 0.0
+    try:
+        head_dims = call.query.size(-1) + call.value.size(-1)
+        flops = 2.0 * _visited_pairs(call) * head_dims * (_BACKWARD_FLOPS if kernel == _BACKWARD_KERNEL else 1.0)
+        yield
+        clocked = True
+    finally:
+        moved = [t for t in tensors() if isinstance(t, torch.Tensor)]
+        torch.ops.mirage.fused_kernel_end(kernel if clocked else -1, call.query.device.index,
+                                          sum(t.numel() * t.element_size() for t in moved),
+                                          flops, call.query.dtype)
+
+
 def _outputs_like_fake(torch: ModuleType, fake: Callable, *args: Any) -> Any:
     """Empty device tensors laid out as the op's fake implementation (what inductor planned for)
     lays out its results."""
@@ -213,7 +254,8 @@ def forward(torch: ModuleType, query: Any, key: Any, value: Any, score_mod: Call
     call = _call(torch, query, key, value, score_mod, block_mask, scale, score_buffers, mask_buffers)
     out, logsumexp, max_scores = _outputs_like_fake(torch, flex_attention_fake_impl, query, key, value, None,
                                                     (), scale, {}, score_buffers, mask_buffers)
-    with torch.no_grad():
+    with torch.no_grad(), _one_kernel(torch, _FORWARD_KERNEL, call,
+                                      lambda: (query, key, value, out, logsumexp)):
         for block in _blocks(torch, call):
             rows = block.span
             if block.tokens is None:
@@ -254,13 +296,14 @@ def backward(torch: ModuleType, query: Any, key: Any, value: Any, grad_out: Any,
     call = _call(torch, query, key, value, score_mod, block_mask, scale, score_buffers, mask_buffers)
     dq, dk, dv, _ = _outputs_like_fake(torch, fake, query, key, value, None, None, None, None, None, None, (),
                                        scale, {}, (), mask_buffers)
-    dk_sum = torch.zeros(dk.shape, dtype=call.work, device=key.device)
-    dv_sum = torch.zeros(dv.shape, dtype=call.work, device=value.device)
     differentiable = [i for i, b in enumerate(score_buffers)
                       if buffer_grads[i] and isinstance(b, torch.Tensor) and b.is_floating_point()]
     buffers = [b.detach().requires_grad_() if i in differentiable else b for i, b in enumerate(score_buffers)]
     buffer_sums = {i: torch.zeros_like(score_buffers[i], dtype=call.work) for i in differentiable}
-    with _plain_dispatch(torch), torch.enable_grad():
+    with _plain_dispatch(torch), torch.enable_grad(), _one_kernel(
+            torch, _BACKWARD_KERNEL, call, lambda: (query, key, value, grad_out, dq, dk, dv)):
+        dk_sum = torch.zeros(dk.shape, dtype=call.work, device=key.device)  # the kernel's own accumulators
+        dv_sum = torch.zeros(dv.shape, dtype=call.work, device=value.device)
         for block in _blocks(torch, call):
             rows = block.span
             if block.tokens is None or grad_out is None and grad_logsumexp is None:
@@ -285,8 +328,8 @@ def backward(torch: ModuleType, query: Any, key: Any, value: Any, grad_out: Any,
             _scatter_add(torch, call, dv_sum, block.tokens, got[2])
             for i, g in zip(differentiable, got[3:]):
                 buffer_sums[i] += g
-    dk.copy_(dk_sum)
-    dv.copy_(dv_sum)
+        dk.copy_(dk_sum)
+        dv.copy_(dv_sum)
     grads = tuple(buffer_sums[i].to(score_buffers[i].dtype).contiguous() if i in buffer_sums
                   else (torch.zeros_like(b, memory_format=torch.contiguous_format) if buffer_grads[i] else None)
                   for i, b in enumerate(score_buffers))

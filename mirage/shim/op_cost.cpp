@@ -368,6 +368,19 @@ MIRAGE_LIBRARY(m) {
           mirage::run_on_stream(dev, mirage::tl_stream[dev], cost.ns + fixed, cost.kind, "compiled graph", bytes, flops,
                                 cost.shared_ns + fixed);
         });
+  // A GPU kernel that mirage runs as many ops (FlexAttention's block-sparse implementation,
+  // mirage/runtime/flex_attention.py): between begin and end its ops are not timed alone, and end
+  // places one attention kernel of `flops` (the blocks it visits) and `bytes` on the current stream.
+  m.def("fused_kernel_begin() -> ()", []() { ++mirage::tl_kernel_depth; });
+  m.def("fused_kernel_end(int kernel, int device, int bytes, float flops, ScalarType dtype) -> ()",
+        [](int64_t kernel, int64_t device, int64_t bytes, double flops, c10::ScalarType dtype) {
+          static const char* const names[] = {"flex_attention", "flex_attention_backward"};
+          if (--mirage::tl_kernel_depth > 0 || !mirage::timing() || kernel < 0 || kernel > 1) return;
+          const auto dev = static_cast<mirage::DeviceIndex>(device);
+          const mirage::KernelCost cost = mirage::kernel_cost(flops, bytes, dtype, 0, mirage::ComputeKind::kAttention);
+          mirage::run_on_stream(dev, mirage::tl_stream[dev], cost.ns, cost.kind, names[kernel], bytes, flops,
+                                cost.shared_ns);
+        });
   m.def("clock_set_flop_ops(str[] names) -> ()", [](std::vector<std::string> names) {
     mirage::FlopOps& f = mirage::flop_ops();
     std::unique_lock<std::shared_mutex> g(f.mu);

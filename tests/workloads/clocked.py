@@ -45,6 +45,28 @@ def attention() -> None:
     print(json.dumps({"attention_ms": start.elapsed_time(end)}))
 
 
+def flex() -> None:
+    """FlexAttention forward and backward (bf16, causal and a 256-token sliding window): one kernel
+    each on the trace, as on a GPU; prints each mask's block count."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 256)
+
+    blocks = {}
+    for name, mask_mod in (("causal", causal), ("window", window)):
+        mask = create_block_mask(mask_mod, None, None, 2048, 2048, device="cuda")
+        q, k, v = (torch.randn(2, 8, 2048, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        grad = torch.randn(2, 8, 2048, 128, device="cuda", dtype=torch.bfloat16)
+        flex_attention(q, k, v, block_mask=mask).backward(grad)
+        blocks[name] = {"blocks": int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum())}
+    print(json.dumps(blocks))
+
+
 def two_ranks():
     """The NCCL group of two ranks, a GEMM operand and a buffer, both ranks' clocks joined by a
     first all_reduce."""
@@ -206,4 +228,4 @@ def graph() -> None:
     print(json.dumps(times))
 
 
-{"gemm": gemm, "attention": attention, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
+{"gemm": gemm, "attention": attention, "flex": flex, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
