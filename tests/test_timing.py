@@ -87,6 +87,23 @@ def test_fused_attention_runs_at_the_profiles_attention_efficiency():
     assert last_json(run.stdout)["attention_ms"] == pytest.approx(expected_ms, rel=1e-2)
 
 
+def test_an_op_that_updates_its_arguments_is_timed_for_what_it_reads_and_writes():
+    """A foreach in-place add moves what the out-of-place one does (each tensor read twice, one
+    written), as add_ and add do; a fused AdamW step reads parameters, gradients and both moments
+    and writes back three of them: 7 x its parameters' bytes. Such ops return nothing, so what
+    they write must be counted from their arguments (a result's bytes are counted as written)."""
+    run = mirage("run", "--quiet", "--timing", "--profile", "h100", "--gpus-per-node", "1", "--",
+                 sys.executable, str(WORKLOAD), "inplace")
+    assert run.returncode == 0, run.stderr
+    timed = last_json(run.stdout)
+    m = model("h100")
+    assert timed["add__ms"] == pytest.approx(timed["add_ms"], rel=1e-3)
+    assert timed["foreach_add__ms"] == pytest.approx(timed["foreach_add_ms"], rel=1e-3)
+    adamw_bytes = 7 * 4 * 4 * 2**22  # 7 accesses of 4 lists of 2^22 floats
+    expected = (adamw_bytes / (m["memory_bandwidth_gbs"] * m["memory_efficiency"]) + m["kernel_overhead_us"] * 1e3) / 1e6
+    assert timed["fused_adamw_ms"] == pytest.approx(expected, rel=1e-2)
+
+
 def test_flex_attention_is_one_kernel_costed_by_the_blocks_it_visits(tmp_path):
     """FlexAttention's Triton kernel visits the blocks its BlockMask lists, whole: mirage's
     block-sparse implementation (many ops) is timed as that one kernel, by the attention model,

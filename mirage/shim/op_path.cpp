@@ -52,6 +52,12 @@ struct OpTraits {
   bool has_flops = false;      // torch.utils.flop_counter has its formula (clocked mode)
   bool synchronizes = false;   // a GPU's host waits for it (.item(), nonzero's output size)
   c10::SmallVector<uint32_t, 2> generator_args;  // Generator? arguments, which the CPU kernel must get
+  // Arguments it writes that no result returns (a foreach_*_ op, a fused optimizer step: they
+  // return nothing): their bytes are written as well as read (clocked mode). A fused optimizer's
+  // schema marks its `grads` written, which its kernel does only to unscale them (`grad_scale`
+  // given): `grads_unscaled_by` is then grad_scale's index, and grads' is in unreturned_writes.
+  c10::SmallVector<uint32_t, 4> unreturned_writes;
+  int32_t grads_unscaled_by = -1;
 };
 
 static const OpTraits& traits_of(const c10::FunctionSchema& schema) {
@@ -67,6 +73,10 @@ static const OpTraits& traits_of(const c10::FunctionSchema& schema) {
           type->containedType(0)->kind() == c10::TypeKind::GeneratorType) {
         traits.generator_args.push_back(i);
       }
+      if (schema.returns().empty() && args[i].alias_info() && args[i].alias_info()->isWrite()) {
+        traits.unreturned_writes.push_back(i);
+      }
+      if (args[i].name() == "grad_scale") traits.grads_unscaled_by = static_cast<int32_t>(i);
     }
     const auto& returns = schema.returns();
     traits.returns_view = !returns.empty() && returns[0].alias_info() && !returns[0].alias_info()->isWrite();
@@ -79,6 +89,29 @@ static const OpTraits& traits_of(const c10::FunctionSchema& schema) {
     }
   }
   return traits;
+}
+
+// The bytes of the arguments at `traits.unreturned_writes` (tensors or lists of them), from the
+// op's arguments `args`.
+static int64_t unreturned_write_bytes(const OpTraits& traits, const c10::IValue* args) {
+  int64_t bytes = 0;
+  for (uint32_t i : traits.unreturned_writes) {
+    if (traits.grads_unscaled_by >= 0 && args[traits.grads_unscaled_by].isNone() &&
+        traits.arguments[i].name() == "grads") {
+      continue;  // read only: nothing to unscale
+    }
+    c10::IValue copy = args[i];
+    auto count = [&](const at::Tensor& t) {
+      if (t.defined()) bytes += static_cast<int64_t>(t.numel() * t.itemsize());
+      return t;
+    };
+    if (copy.isTensor()) {
+      count(copy.toTensor());
+    } else if (copy.isTensorList() || copy.isList()) {
+      map_tensor_lists(copy, count);
+    }
+  }
+  return bytes;
 }
 
 // Clocked mode: a kernel of `op` on `device` reading `bytes_in` (its results' bytes are added)
@@ -145,6 +178,7 @@ static bool predict_without_running(const c10::OperatorHandle& op, const OpTrait
     }
   }
   if (device < 0) return false;  // factories (no device tensor in): cheap, and their values may matter
+  bytes += unreturned_write_bytes(traits, arguments.data());
   if (!run_on_meta(op, stack, false, nullptr)) return false;
   clock_kernel(op, traits, device, dtype, bytes, arguments, stack->data() + (stack->size() - traits.num_returns));
   return true;
@@ -215,6 +249,7 @@ struct OpCall {
       }
     }
     if (device < 0) device = tl_device;
+    if (count_bytes) bytes += unreturned_write_bytes(traits, stack->data() + base);
     for (uint32_t i : traits.generator_args) {  // the CPU kernel takes a CPU generator
       c10::IValue& iv = (*stack)[base + i];
       const std::optional<at::Generator> given =

@@ -67,6 +67,32 @@ def flex() -> None:
     print(json.dumps(blocks))
 
 
+def inplace() -> None:
+    """Ops that update their arguments and return nothing (foreach in-place, a fused AdamW step)
+    against ones that return their results: each timed with events, as the same traffic."""
+    def timed(fn) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    params = [torch.zeros(2**22, device="cuda") for _ in range(4)]
+    grads = [torch.ones_like(p) for p in params]
+    moments = [torch.zeros_like(p) for p in params] + [torch.zeros_like(p) for p in params]
+    steps = [torch.zeros((), device="cuda") for _ in params]
+    print(json.dumps({
+        "foreach_add_ms": timed(lambda: torch._foreach_add(params, grads)),
+        "foreach_add__ms": timed(lambda: torch._foreach_add_(params, grads)),
+        "add_ms": timed(lambda: torch.add(params[0], grads[0])),
+        "add__ms": timed(lambda: params[0].add_(grads[0])),
+        "fused_adamw_ms": timed(lambda: torch._fused_adamw_(params, grads, moments[:4], moments[4:], [], steps, lr=1e-3,
+                                                             beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8,
+                                                             amsgrad=False, maximize=False)),
+    }))
+
+
 def two_ranks():
     """The NCCL group of two ranks, a GEMM operand and a buffer, both ranks' clocks joined by a
     first all_reduce."""
@@ -228,4 +254,4 @@ def graph() -> None:
     print(json.dumps(times))
 
 
-{"gemm": gemm, "attention": attention, "flex": flex, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
+{"gemm": gemm, "attention": attention, "flex": flex, "inplace": inplace, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
