@@ -120,11 +120,14 @@ def main() -> None:
             print(json.dumps({name: results[name]}), flush=True)
     print(f"{'case':<12} {'GPUs':>4} {'wall s':>7} {'host GiB':>8} {'step ms':>8} {'TPS/GPU':>8} {'published':>9} "
           f"{'error':>7} {'mem GiB':>7} {'published':>9} {'error':>7}")
+    save(results)  # first: the table below is only a view of them
     for name, r in results.items():
-        print(f"{name:<12} {r['gpus']:>4} {r['wall_s']:>7} {r['host_peak_gib']:>8} {r.get('step_ms', '-'):>8} "
-              f"{r.get('tps_per_gpu', '-'):>8} {r.get('published_tps', '-'):>9} {r.get('tps_error_pct', '-'):>7} "
-              f"{r.get('memory_gib', '-'):>7} {r.get('published_gib', '-'):>9} {r.get('memory_error_pct', '-'):>7}")
-    save(results)
+        shown = {key: "-" if r.get(key) is None else r[key] for key in
+                 ("step_ms", "tps_per_gpu", "published_tps", "tps_error_pct", "memory_gib", "published_gib",
+                  "memory_error_pct")}
+        print(f"{name:<12} {r['gpus']:>4} {r['wall_s']:>7} {r['host_peak_gib']:>8} {shown['step_ms']:>8} "
+              f"{shown['tps_per_gpu']:>8} {shown['published_tps']:>9} {shown['tps_error_pct']:>7} "
+              f"{shown['memory_gib']:>7} {shown['published_gib']:>9} {shown['memory_error_pct']:>7}")
 
 
 if __name__ == "__main__":
