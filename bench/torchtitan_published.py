@@ -63,6 +63,8 @@ CASES = {
     # torchtitan's docs/performance.md (mid-2024): 64 A100 80GB, FSDP2, eager, Llama 3 8B (no memory column)
     "8b-fsdp-64-a100-op": Case("performance.md (8B, 64 A100): selective op", 8, "8B", 1, 8192, SELECTIVE_OP, 2973, 0.0,
                                profile="a100"),
+    "70b-fsdp-64-a100-full": Case("performance.md (70B, 64 A100): full AC", 8, "70B", 1, 8192,
+                                  ["--activation_checkpoint.mode", "full"], 331, 0.0, profile="a100"),
 }
 GPUS_PER_NODE = 8
 
