@@ -21,12 +21,14 @@ def main(trace_path: str) -> None:
     x = torch.randn(32, 64, device="cuda")
     a = torch.randn(48, 96, device="cuda")
     q, k, v = (torch.randn(2, 4, 16, 32, device="cuda") for _ in range(3))
-    # The first profile of a process imports torch.profiler._cupti_monitor inside the profiled
-    # region, and torch 2.13's Python tracer then names that module's frame from its code object
-    # after the import dropped it (seen: "(0): ", or bytes key_averages() fails to decode), on
-    # any build. An empty profile first does that import; it holds no op of the step.
+    # The first record_function of a process imports torch.profiler._cupti_monitor inside the
+    # profiled region, and torch 2.13's Python tracer then names that module's frame from its
+    # code object after the import dropped it (seen: "(0): ", or bytes key_averages() fails to
+    # decode, about 1 run in 5), on any build. A first profile with an empty record_function does
+    # that import; it holds no op of the step.
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True):
-        pass
+        with record_function("import torch.profiler._cupti_monitor"):
+            pass
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True,
                  record_shapes=True) as prof:
         with record_function("train_step"):
