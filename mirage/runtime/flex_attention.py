@@ -88,7 +88,10 @@ def _call(torch: ModuleType, query: Any, key: Any, value: Any, score_mod: Callab
     if not (key.size(0) == batch or key.size(0) == 1):
         raise RuntimeError(f"Bq and Bkv must broadcast. Got Bq={batch} and Bkv={key.size(0)}")
     kv_num, kv_indices, full_num, full_indices = block_mask[2:6]
-    q_block, kv_block = int(block_mask[-3]), int(block_mask[-2])
+    # A block wider than the sequence (the default BlockMask's 2**30) covers it: clamped, so that a
+    # block's KV positions and its cost are the sequence's, not 2**30's
+    q_block = min(int(block_mask[-3]), query.size(2))
+    kv_block = min(int(block_mask[-2]), key.size(2))
 
     def expand(t: Any) -> Any:
         return None if t is None else t.expand(batch, heads, *t.shape[2:])

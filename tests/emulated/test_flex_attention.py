@@ -180,6 +180,23 @@ def test_compiled_flex_attention_in_bfloat16(case: Case):
         check_equal(golden[name], ref[name], result[name], 1.1, name)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_flex_attention_without_a_block_mask(compiled: bool):
+    """No block_mask: torch builds one block of 2**30 x 2**30 positions (_create_empty_block_mask),
+    which the device must read as "the whole sequence" (it once tried to list 2**30 KV positions:
+    a 32 GiB allocation)."""
+    case = Case("no_mask", lambda t: (lambda b, h, q, kv: q >= 0), identity)
+    tensors = inputs(case, torch.float32)
+    golden = reference(case, tensors, torch.float64)
+    ref = reference(case, tensors, torch.float32)
+    q, k, v = (t.to(DEVICE, copy=True).requires_grad_() for t in tensors[:3])
+    attend = torch.compile(flex_attention) if compiled else flex_attention
+    out, aux = attend(q, k, v, return_aux=AuxRequest(lse=True))
+    backward(case, out, aux.lse, tensors)
+    for name, result in (("out", out), ("lse", aux.lse), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        check_equal(golden[name], ref[name], result, 10.0, name)
+
+
 def test_peak_memory_at_sequence_8192_is_far_below_the_dense_scores():
     """Compiled and eager, forward and backward at S=8192: the device's peak over what it held
     before is a fraction of the B x H x S x S float32 scores torch's dense reference would build
