@@ -16,9 +16,11 @@ with ordinary tensor operations on the device (its memory is device memory, coun
   gathered; score_mod and mask_mod are vmapped over them as torch's reference vmaps them, with each
   (batch, head)'s own KV positions; the softmax keeps its logsumexp (the ops return it in log2
   units, as torch's kernels do);
-- the backward recomputes each query block's attention under autograd and takes dq, dk, dv
-  (scatter-added into the KV positions gathered) and the gradients of score_mod's captured buffers
-  (a learned bias) with torch.autograd.grad: score_mod's derivative is autograd's, as in eager.
+- the backward takes the forward's out and logsumexp, as the GPU kernel and torch's reference do,
+  recomputes each query block's scores under autograd, forms the scores' gradient from the softmax
+  weights exp(score - logsumexp) and delta = out . grad_out, and takes dq and the gradients of
+  score_mod's captured buffers (a learned bias) with torch.autograd.grad (score_mod's derivative is
+  autograd's, as in eager); dk and dv are scatter-added into the KV positions gathered.
 
 Peak memory is a query block's scores (B x H x block x listed keys), never S x S.
 
@@ -164,11 +166,8 @@ def _scatter_add(torch: ModuleType, call: _Call, into: Any, tokens: Any, grad: A
     into.index_put_(index, grad, accumulate=True)
 
 
-def _attend(torch: ModuleType, call: _Call, block: _Block, q: Any, k: Any, v: Any,
-            score_buffers: Sequence[Any]) -> tuple[Any, Any, Any]:
-    """One query block's attention over its gathered keys, in working precision: (out [B, H, R, Dv],
-    logsumexp [B, H, R] (natural log), max score [B, H, R]). Rows with no key left have out 0 and
-    logsumexp and max -inf, as torch's reference gives them."""
+def _scores(torch: ModuleType, call: _Call, block: _Block, q: Any, k: Any, score_buffers: Sequence[Any]) -> Any:
+    """One query block's scores after score_mod, in working precision, -inf where masked."""
     from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
 
     batch, heads = q.size(0), q.size(1)
@@ -183,7 +182,15 @@ def _attend(torch: ModuleType, call: _Call, block: _Block, q: Any, k: Any, v: An
             mask_mod = _vmap_bhmn(call.mask_mod, torch, False, len(call.mask_buffers))
             allowed = mask_mod(b, h, block.rows, block.tokens[..., :block.partial].contiguous(), *call.mask_buffers)
             keep = torch.cat([keep[..., :block.partial] & allowed, keep[..., block.partial:]], dim=-1)
-    scores = torch.where(keep, scores, torch.tensor(-math.inf, dtype=call.work, device=device))
+    return torch.where(keep, scores, torch.tensor(-math.inf, dtype=call.work, device=device))
+
+
+def _attend(torch: ModuleType, call: _Call, block: _Block, q: Any, k: Any, v: Any,
+            score_buffers: Sequence[Any]) -> tuple[Any, Any, Any]:
+    """One query block's attention over its gathered keys, in working precision: (out [B, H, R, Dv],
+    logsumexp [B, H, R] (natural log), max score [B, H, R]). Rows with no key left have out 0 and
+    logsumexp and max -inf, as torch's reference gives them."""
+    scores = _scores(torch, call, block, q, k, score_buffers)
     top = scores.amax(dim=-1)
     shift = torch.where(torch.isinf(top), 0, top).detach()
     weights = torch.exp(scores - shift[..., None])
@@ -286,11 +293,14 @@ def _plain_dispatch(torch: ModuleType) -> Any:
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 
-def backward(torch: ModuleType, query: Any, key: Any, value: Any, grad_out: Any, grad_logsumexp: Any,
-             score_mod: Callable, block_mask: tuple, scale: float, score_buffers: tuple, mask_buffers: tuple,
-             buffer_grads: Sequence[bool]) -> tuple[Any, Any, Any, tuple]:
+def backward(torch: ModuleType, query: Any, key: Any, value: Any, out: Any, logsumexp: Any, grad_out: Any,
+             grad_logsumexp: Any, score_mod: Callable, block_mask: tuple, scale: float, score_buffers: tuple,
+             mask_buffers: tuple, buffer_grads: Sequence[bool]) -> tuple[Any, Any, Any, tuple]:
     """The flex_attention_backward op: (dq, dk, dv, grads of score_mod's buffers; None where
-    buffer_grads says none is wanted). grad_logsumexp is that of the forward's log2 logsumexp."""
+    buffer_grads says none is wanted). As torch's reference and the GPU kernel do, it takes the
+    forward's out and logsumexp (log2 units) as given, recomputing only the scores: the softmax's
+    weights are exp(score - logsumexp), and each row's delta is out . grad_out. So its results are
+    those of the out the forward returned (rounded to its dtype), not of a fresh one."""
     from torch._higher_order_ops.flex_attention import flex_attention_backward_fake_tensor_mode as fake
 
     if query.dtype != key.dtype or query.dtype != value.dtype:
@@ -304,7 +314,7 @@ def backward(torch: ModuleType, query: Any, key: Any, value: Any, grad_out: Any,
     buffers = [b.detach().requires_grad_() if i in differentiable else b for i, b in enumerate(score_buffers)]
     buffer_sums = {i: torch.zeros_like(score_buffers[i], dtype=call.work) for i in differentiable}
     with _plain_dispatch(torch), torch.enable_grad(), _one_kernel(
-            torch, _BACKWARD_KERNEL, call, lambda: (query, key, value, grad_out, dq, dk, dv)):
+            torch, _BACKWARD_KERNEL, call, lambda: (query, key, value, out, logsumexp, grad_out, dq, dk, dv)):
         dk_sum = torch.zeros(dk.shape, dtype=call.work, device=key.device)  # the kernel's own accumulators
         dv_sum = torch.zeros(dv.shape, dtype=call.work, device=value.device)
         for block in _blocks(torch, call):
@@ -314,22 +324,25 @@ def backward(torch: ModuleType, query: Any, key: Any, value: Any, grad_out: Any,
                 continue
             q = query[:, :, rows].detach().to(call.work).requires_grad_()
             k = _gather(torch, call, key.detach(), block.tokens).to(call.work).requires_grad_()
-            v = _gather(torch, call, value.detach(), block.tokens).to(call.work).requires_grad_()
-            out, logsumexp, _ = _attend(torch, call, block, q, k, v, buffers)
-            outputs, grads = [], []
+            v = _gather(torch, call, value.detach(), block.tokens).to(call.work)
+            scores = _scores(torch, call, block, q, k, buffers)
+            row_lse = logsumexp[:, :, rows].detach().to(call.work)[..., None] * _LN2
+            empty = torch.isinf(row_lse)  # a row with no key: no weights, no gradient
+            weights = torch.where(empty, 0, torch.exp(scores.detach() - torch.where(empty, 0, row_lse)))
+            grad_scores = torch.zeros_like(weights)
             if grad_out is not None:
-                outputs.append(out)
-                grads.append(grad_out[:, :, rows].to(call.work))
+                d_out = grad_out[:, :, rows].to(call.work)
+                delta = (d_out * out[:, :, rows].detach().to(call.work)).sum(-1, keepdim=True)
+                grad_scores = weights * (d_out @ v.transpose(-2, -1) - delta)
+                _scatter_add(torch, call, dv_sum, block.tokens, weights.transpose(-2, -1) @ d_out)
             if grad_logsumexp is not None:
-                outputs.append(logsumexp)
-                grads.append(grad_logsumexp[:, :, rows].to(call.work) / _LN2)
-            inputs = [q, k, v, *(buffers[i] for i in differentiable)]
+                grad_scores = grad_scores + weights * (grad_logsumexp[:, :, rows].to(call.work)[..., None] / _LN2)
+            inputs = [q, k, *(buffers[i] for i in differentiable)]
             got = [torch.zeros_like(x) if g is None else g  # a score_mod that ignores the score: no gradient
-                   for x, g in zip(inputs, torch.autograd.grad(outputs, inputs, grads, allow_unused=True))]
+                   for x, g in zip(inputs, torch.autograd.grad(scores, inputs, grad_scores, allow_unused=True))]
             dq[:, :, rows] = got[0].to(dq.dtype)
             _scatter_add(torch, call, dk_sum, block.tokens, got[1])
-            _scatter_add(torch, call, dv_sum, block.tokens, got[2])
-            for i, g in zip(differentiable, got[3:]):
+            for i, g in zip(differentiable, got[2:]):
                 buffer_sums[i] += g
         dk.copy_(dk_sum)
         dv.copy_(dv_sum)
@@ -349,7 +362,8 @@ class HostOps:
         self.library.define("flex_attention(Tensor query, Tensor key, Tensor value, Tensor?[] block_mask, "
                             "SymInt[] sizes, Tensor[] score_buffers, Tensor[] mask_buffers, float scale, int handle, "
                             "int device) -> (Tensor, Tensor, Tensor)")
-        self.library.define("flex_attention_backward(Tensor query, Tensor key, Tensor value, Tensor? grad_out, "
+        self.library.define("flex_attention_backward(Tensor query, Tensor key, Tensor value, Tensor out, "
+                            "Tensor logsumexp, Tensor? grad_out, "
                             "Tensor? grad_logsumexp, Tensor?[] block_mask, SymInt[] sizes, Tensor[] score_buffers, "
                             "Tensor[] mask_buffers, float scale, int handle, int device) -> (Tensor, Tensor, Tensor, "
                             "Tensor[])")
@@ -380,14 +394,15 @@ class HostOps:
                               tuple(rest[:len(score_buffers)]), tuple(rest[len(score_buffers):]))
         return tuple(self.torch.ops.mirage.host_view(r) for r in results)
 
-    def _backward(self, query: Any, key: Any, value: Any, grad_out: Any, grad_logsumexp: Any, block_mask: list,
-                  sizes: list, score_buffers: list, mask_buffers: list, scale: float, handle: int,
-                  device: int) -> tuple:
-        q, k, v, g_out, g_lse, *rest = self._on_device(
-            [query, key, value, grad_out, grad_logsumexp, *block_mask, *score_buffers, *mask_buffers], device)
+    def _backward(self, query: Any, key: Any, value: Any, out: Any, logsumexp: Any, grad_out: Any,
+                  grad_logsumexp: Any, block_mask: list, sizes: list, score_buffers: list, mask_buffers: list,
+                  scale: float, handle: int, device: int) -> tuple:
+        q, k, v, o, lse, g_out, g_lse, *rest = self._on_device(
+            [query, key, value, out, logsumexp, grad_out, grad_logsumexp, *block_mask, *score_buffers,
+             *mask_buffers], device)
         masks, rest = rest[:len(block_mask)], rest[len(block_mask):]
         # every buffer gets a gradient, as the op's fake implementation (the graph's plan) gives one
-        dq, dk, dv, grads = backward(self.torch, q, k, v, g_out, g_lse, self.mods[handle][0],
+        dq, dk, dv, grads = backward(self.torch, q, k, v, o, lse, g_out, g_lse, self.mods[handle][0],
                                      self._block_mask(handle, masks, sizes), scale, tuple(rest[:len(score_buffers)]),
                                      tuple(rest[len(score_buffers):]), [True] * len(score_buffers))
         host_view = self.torch.ops.mirage.host_view
@@ -400,9 +415,9 @@ class HostOps:
         return flex_attention_fake_impl(query, key, value, None, (), scale, {}, tuple(score_buffers),
                                         tuple(mask_buffers))
 
-    def _fake_backward(self, query: Any, key: Any, value: Any, grad_out: Any, grad_logsumexp: Any, block_mask: list,
-                       sizes: list, score_buffers: list, mask_buffers: list, scale: float, handle: int,
-                       device: int) -> tuple:
+    def _fake_backward(self, query: Any, key: Any, value: Any, out: Any, logsumexp: Any, grad_out: Any,
+                       grad_logsumexp: Any, block_mask: list, sizes: list, score_buffers: list, mask_buffers: list,
+                       scale: float, handle: int, device: int) -> tuple:
         from torch._higher_order_ops.flex_attention import flex_attention_backward_fake_tensor_mode as fake
 
         dq, dk, dv, grads = fake(query, key, value, None, None, grad_out, grad_logsumexp, None, None, (), scale, {},
@@ -416,7 +431,7 @@ class HostOps:
         if node.target is hop.flex_attention:
             query, key, value, score_mod, block_mask, scale, _options, *buffers = node.args
         else:
-            query, key, value, _out, _lse, grad_out, grad_lse, score_mod, joint, block_mask, scale, _options, \
+            query, key, value, out, lse, grad_out, grad_lse, score_mod, joint, block_mask, scale, _options, \
                 *buffers = node.args
             _reject_as_on_cuda(_submodule(gm, joint))
         head_dims = (query.meta["val"].size(-1), value.meta["val"].size(-1))
@@ -436,7 +451,7 @@ class HostOps:
         if node.target is hop.flex_attention:
             node.target, node.args = self.forward_op, (query, key, value, *common)
         else:
-            node.target, node.args = self.backward_op, (query, key, value, grad_out, grad_lse, *common)
+            node.target, node.args = self.backward_op, (query, key, value, out, lse, grad_out, grad_lse, *common)
         node.kwargs = {}
 
 
@@ -496,7 +511,7 @@ def install(torch: ModuleType) -> None:
         if isinstance(joint_graph, torch.fx.GraphModule) and _no_score_gradient(joint_graph):
             _raise_as_torchs_reference(torch, joint_graph, query, score_mod_other_buffers)
         wanted = [isinstance(b, torch.Tensor) and b.requires_grad for b in score_mod_other_buffers]
-        return backward(torch, query, key, value, grad_out, grad_logsumexp, fw_graph, block_mask, scale,
+        return backward(torch, query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph, block_mask, scale,
                         score_mod_other_buffers, mask_mod_other_buffers, wanted)
 
     forward_op.py_impl(DispatchKey.CUDA)(eager_forward)
