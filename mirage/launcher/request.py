@@ -47,6 +47,7 @@ class RunRequest:
     virtual_clock: bool = False          # the workload's time.* follow the predicted clock
     timing_tuning: str | None = None     # a TOML file overriding the model's numbers
     predict_only: bool = False           # place kernels on the timeline without running them
+    stand_ins: int = 1                   # each running rank stands for this many data-parallel replicas
     lazy_device_memory: bool = False     # device memory is host memory only where written
     faults: list[str] = field(default_factory=list)  # --fault specs (mirage/launcher/faults.py)
     faults_file: str | None = None       # --faults FILE
@@ -85,6 +86,7 @@ def validate(request: RunRequest) -> tuple[profiles.Profile, int]:
         raise UsageError(f"--gpus-per-node {gpus} is out of range; use 1 to {MAX_GPUS_PER_NODE}")
     if not 1 <= request.num_nodes <= MAX_NODES:
         raise UsageError(f"--num-nodes {request.num_nodes} is out of range; use 1 to {MAX_NODES}")
+    _validate_stand_ins(request)
     if request.nproc_per_node is not None and not 1 <= request.nproc_per_node <= MAX_GPUS_PER_NODE:
         raise UsageError(f"--nproc-per-node {request.nproc_per_node} is out of range; use 1 to {MAX_GPUS_PER_NODE}")
     if not request.hang_timeout > 0:  # also refuses nan
@@ -118,7 +120,8 @@ def validate(request: RunRequest) -> tuple[profiles.Profile, int]:
                          "or drop --isolate-nodes (the nodes then share this host's network)")
     check_torch_is_cpu_build()
     try:
-        capacity.check(request.command, request.num_nodes, request.nproc_per_node, gpus, request.fork_server)
+        capacity.check(request.command, request.num_nodes // max(request.stand_ins, 1), request.nproc_per_node, gpus,
+                       request.fork_server)
     except capacity.CapacityError as err:
         raise UsageError(str(err)) from None
     return profile, gpus
@@ -137,6 +140,30 @@ def _validate_image(request: RunRequest) -> None:
     if reason := nodes.unavailable_reason():
         raise UsageError(f"--image needs isolated nodes, and {reason}. Fix: run mirage as root with util-linux "
                          "and iproute2")
+
+
+def _validate_stand_ins(request: RunRequest) -> None:
+    """--stand-ins K: refused where its assumption cannot hold. The session runs 1/K of the job's
+    nodes (run.py), and their workers are told the full world (runtime/boot.py)."""
+    copies = request.stand_ins
+    if copies == 1:
+        return
+    if copies < 1:
+        raise UsageError(f"--stand-ins {copies} must be a positive number of replicas each running rank stands "
+                         "for (e.g. --stand-ins 8)")
+    if not (request.timing and request.predict_only):
+        raise UsageError("--stand-ins needs --timing --predict-only: a stood-in replica computes nothing, so only "
+                         "a prediction can stand for it. Fix: add --timing --predict-only")
+    if request.num_nodes % copies:
+        raise UsageError(f"--stand-ins {copies} does not divide --num-nodes {request.num_nodes}: the job's nodes "
+                         f"run in {copies} identical replicas. Fix: a --stand-ins that divides {request.num_nodes}")
+    if request.nproc_per_node is not None:
+        raise UsageError("--stand-ins needs the ranks launched by torchrun: ranks mirage starts itself "
+                         "(--nproc-per-node) meet at rank 0's store, which waits for every rank of the world, "
+                         "stood-in ones included. Fix: drop --nproc-per-node and run torchrun --nnodes=$MIRAGE_NUM_NODES "
+                         "--node-rank=$MIRAGE_NODE_RANK --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT ...")
+    if request.faults or request.faults_file:
+        raise UsageError("--stand-ins with --fault: a stood-in rank cannot fail on its own. Fix: drop one of them")
 
 
 def _validate_timing(request: RunRequest, profile: profiles.Profile) -> None:

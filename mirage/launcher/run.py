@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mirage import forkserver, profiles
@@ -200,6 +200,9 @@ def run_node(request: RunRequest, rdzv_port: int | None, rdzv_timeout: float) ->
         raise UsageError("--isolate-nodes applies to mirage run on one host; across hosts each host is a machine "
                          "of its own already (drop --isolate-nodes)")
     request.isolate_nodes = False
+    if request.stand_ins != 1:
+        raise UsageError("--stand-ins applies to mirage run on one host (it exists to fit a large job on one); "
+                         "across hosts, run every rank")
     validate(request)
     try:
         job = clusters.SlurmJob.from_environment(dict(os.environ))
@@ -222,6 +225,8 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
     """Runs the request as one session (in a cluster across hosts, this host's share of it);
     returns the exit code for the shell."""
     profile, gpus = validate(request)
+    stand_ins = request.stand_ins  # the session runs 1/stand_ins of the job's nodes
+    request = replace(request, num_nodes=request.num_nodes // stand_ins)
     session_id = cluster.session_id() if cluster else time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
     session_dir = runtime_root() / session_id
     start_reaper(session_dir)  # before arm_signals makes this process a subreaper
@@ -278,6 +283,8 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
                 emulator["MIRAGE_VIRTUAL_CLOCK"] = "1"
             if request.predict_only:
                 emulator["MIRAGE_PREDICT_ONLY"] = "1"
+            if stand_ins > 1:
+                emulator["MIRAGE_STAND_INS"] = str(stand_ins)
             if request.timing_tuning:
                 emulator["MIRAGE_TIMING_TUNING"] = str(Path(request.timing_tuning).expanduser().resolve())
         if faults:
@@ -318,6 +325,9 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
         emulator.update({"MIRAGE_ISOLATED_NODES": "1"} if namespaces or cluster else {"GLOO_SOCKET_IFNAME": "lo"})
         narrate(f"session {session_id} ({request.num_nodes} node(s) x {gpus} x {profile.torch_name}, "
                 f"{len(processes)} process(es)" + (f", in containers of image {request.image})" if in_image else ")"))
+        if stand_ins > 1:
+            narrate(f"stand-ins: {request.num_nodes} of the job's {request.num_nodes * stand_ins} nodes run, each rank "
+                    f"standing for {stand_ins} data-parallel replicas (itself included)")
 
         def node_environment(node: int, exec_lease: bool = False) -> dict[str, str]:
             place = Placement(node, 0, node * per_node, request.num_nodes * per_node)

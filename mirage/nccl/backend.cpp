@@ -35,14 +35,22 @@ ProcessGroupNCCL::ProcessGroupNCCL(c10::intrusive_ptr<c10d::Store> store, int ra
   const auto connect_store = c10::make_intrusive<c10d::PrefixStore>(
       agent_store ? "mirage/attempt-" + std::to_string(env_int("TORCHELASTIC_RESTART_COUNT", 0)) : "mirage", store_);
   const bool p2p = !env_flag("NCCL_P2P_DISABLE", false);
-  comm_ = env_flag("NCCL_SHM_DISABLE", false) && !p2p ? connect_sockets(connect_store, rank, size, options_->timeout)
-          : std::getenv("MIRAGE_ISOLATED_NODES") ? connect_across_nodes(connect_store, rank, size, p2p, options_->timeout)
-          : connect_shared_memory(connect_store, rank, size, p2p, options_->timeout);
+  // --stand-ins: the transport joins the running members only (stand_ins.cpp)
+  stand_ins_map_ = stand_in_map(rank, size, group_ranks());
+  const int joined_rank = stand_ins_map_ ? stand_ins_map_->running_rank : rank;
+  const int joined = stand_ins_map_ ? stand_ins_map_->running_size : size;
+  comm_ = env_flag("NCCL_SHM_DISABLE", false) && !p2p ? connect_sockets(connect_store, joined_rank, joined, options_->timeout)
+          : std::getenv("MIRAGE_ISOLATED_NODES") ? connect_across_nodes(connect_store, joined_rank, joined, p2p, options_->timeout)
+          : connect_shared_memory(connect_store, joined_rank, joined, p2p, options_->timeout);
   TORCH_CHECK_WITH(DistBackendError, comm_, library(), " error: the emulated ", library(),
                    " runs inside a mirage session only (mirage run -- ...): no MIRAGE_SESSION, or /dev/shm "
                    "has no room for the communicator (`df -h /dev/shm`; NCCL_SHM_DISABLE=1 NCCL_P2P_DISABLE=1 "
                    "use sockets instead)");
-  if (shim_clock().predict_only) without_payload_ = without_payload(*comm_);
+  if (stand_ins_map_) {
+    TORCH_CHECK(shim_clock().predict_only, "mirage --stand-ins needs --timing --predict-only");
+    stand_ins_ = with_stand_ins(*comm_, *stand_ins_map_);
+  }
+  if (shim_clock().predict_only) without_payload_ = without_payload(stand_ins_ ? *stand_ins_ : *comm_);
   if (std::getenv("NCCL_DEBUG") && (std::string(std::getenv("NCCL_DEBUG")) == "INFO" ||
                                     std::string(std::getenv("NCCL_DEBUG")) == "TRACE")) {
     log_init();
@@ -107,6 +115,14 @@ std::vector<uint64_t> ProcessGroupNCCL::group_ranks() const {
   std::vector<uint64_t> ranks;
   for (int r = 0; r < size_; ++r) ranks.push_back(static_cast<uint64_t>(r));
   return ranks;
+}
+
+int ProcessGroupNCCL::transport_peer(int peer) const {
+  if (!stand_ins_map_) return peer;
+  TORCH_CHECK(stand_ins_map_->replica[peer] == 0, "mirage --stand-ins: a send or receive with rank ",
+              group_ranks()[peer], ", which is stood in for (not running); point-to-point peers must be in the "
+              "running replica (pipeline stages are; data-parallel peers are not); run without --stand-ins");
+  return stand_ins_map_->stand_in[peer];
 }
 
 int ProcessGroupNCCL::my_global_rank() const {

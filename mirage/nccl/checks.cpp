@@ -133,9 +133,15 @@ void ProcessGroupNCCL::check_distinct_gpus(const std::vector<at::Tensor>& tensor
   std::vector<char*> to;
   for (int r = 0; r < size_; ++r) to.push_back(reinterpret_cast<char*>(all.data() + 3 * r));
   Timing timing{Clock::now() + options_->timeout, options_->timeout, "the communicator's first collective"};
-  comm_->all_gather(to, reinterpret_cast<const char*>(mine), 3, at::kLong, timing);
+  with_payload().all_gather(to, reinterpret_cast<const char*>(mine), 3, at::kLong, timing);
   std::vector<int64_t> hosts, nodes;
   for (int r = 0; r < size_; ++r) {
+    // --stand-ins: replica k of a running member lies k running-worlds of nodes further on
+    const int64_t replica = stand_ins_map_ ? stand_ins_map_->replica[r] : 0;
+    if (replica) {
+      all[3 * r] = static_cast<int64_t>(std::hash<std::string>{}(std::to_string(all[3 * r]) + "/" + std::to_string(replica)));
+      all[3 * r + 2] += replica * env_int("MIRAGE_NUM_NODES", 1);
+    }
     hosts.push_back(all[3 * r]);
     nodes.push_back(all[3 * r + 2]);
   }

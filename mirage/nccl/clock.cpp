@@ -107,7 +107,7 @@ void ProcessGroupNCCL::clock_transfer(Pending& p, const at::Tensor& t, int peer,
 // A receive, both sides there: it starts from the later of the two.
 void ProcessGroupNCCL::clock_receive_end(Pending& done, int64_t sender_clock) {
   const int64_t start = std::max(done.ready_ns, sender_clock);
-  const int64_t stream = p2p_stream(done.transfer.peer);
+  const int64_t stream = p2p_stream(done.record.peer);
   done.work->set_predicted_end(done.clock_device, stream,
                                shim_clock().collective(done.clock_device, stream, start, done.cost_ns, "nccl:recv",
                                                        static_cast<int64_t>(done.transfer.bytes)));

@@ -30,7 +30,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupNCCL::point_to_point(std::vector<at::
                                              describe_work(p.record), profiler_group(), size_);
   record_param_comms(p.record, tensors, tensors);
   if (measure_durations_) p.work->time_it();
-  p.transfer = Transfer{sending, peer, data(t), static_cast<size_t>(nbytes(t)), Clock::now() + timeout, timeout};
+  p.transfer = Transfer{sending, transport_peer(peer), data(t), static_cast<size_t>(nbytes(t)), Clock::now() + timeout,
+                        timeout};
   if (shim_clock().on && t.is_cuda()) clock_transfer(p, t, peer, sending);
   keep_trace(p.record);
   record(p.record, true);

@@ -162,8 +162,12 @@ class ProcessGroupNCCL final : public c10d::Backend {
  private:
   static uint64_t& next_uid();
   static char* data(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
-  // Where collectives go: the transport, or under --predict-only the same without payload.
-  Communicator& collectives() { return without_payload_ ? *without_payload_ : *comm_; }
+  // Where collectives go: the transport (answering for stood-in members under --stand-ins), or
+  // under --predict-only the same without payload.
+  Communicator& collectives() { return without_payload_ ? *without_payload_ : with_payload(); }
+  Communicator& with_payload() { return stand_ins_ ? *stand_ins_ : *comm_; }
+  // A peer's rank on the transport (under --stand-ins, among the running members; an absent one refused).
+  int transport_peer(int peer) const;
 
   std::string group_name() const { return options_->group_name.empty() ? "0" : options_->group_name; }
   std::vector<uint64_t> group_ranks() const;
@@ -235,7 +239,9 @@ class ProcessGroupNCCL final : public c10d::Backend {
   c10::intrusive_ptr<Options> options_;
   uint64_t uid_;
   std::unique_ptr<Communicator> comm_;
-  std::unique_ptr<Communicator> without_payload_;  // --predict-only: over comm_ (declared after it)
+  std::optional<StandInMap> stand_ins_map_;  // --stand-ins, where some members are stood in for
+  std::unique_ptr<Communicator> stand_ins_;  // over comm_, answering for them (declared after it)
+  std::unique_ptr<Communicator> without_payload_;  // --predict-only: over stand_ins_ or comm_ (declared after them)
   bool blocking_wait_ = false;
   std::atomic<bool> measure_durations_{false};  // Works measure their duration
   int async_error_handling_ = 3;

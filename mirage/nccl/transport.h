@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -210,6 +211,20 @@ std::unique_ptr<Communicator> connect_across_nodes(const c10::intrusive_ptr<c10d
 // transfers still go through `transport`. `transport` keeps the state (failures, agreed ready
 // time) and must outlive the result.
 std::unique_ptr<Communicator> without_payload(Communicator& transport);
+// --stand-ins (stand_ins.cpp): a group's members, of which those of global rank >= the running
+// world (MIRAGE_STAND_INS_RUNNING_WORLD) are stood in for by the running member of global rank
+// (theirs mod the running world). Null when every member runs.
+struct StandInMap {
+  int rank = 0;                // the caller's full group rank
+  int running_rank = 0;       // its rank among the running members (the transport's)
+  int running_size = 0;
+  std::vector<int> stand_in;  // per member: the running rank that answers for it (its own if it runs)
+  std::vector<int> replica;   // per member: which replica it is (0: it runs)
+};
+std::optional<StandInMap> stand_in_map(int rank, int size, const std::vector<uint64_t>& global_ranks);
+// The group's collectives over its full membership, through `running` (the running members'
+// transport, which keeps the state and must outlive the result).
+std::unique_ptr<Communicator> with_stand_ins(Communicator& running, StandInMap map);
 // The address this process's socket connections are made to, and the interface it is on (see
 // socket_transport.cpp); NCCL_DEBUG=INFO names it.
 std::string socket_interface();

@@ -38,6 +38,23 @@ def _export_for_shim() -> None:
         os.environ["MIRAGE_TIMING_MODEL"] = profiles.timing_model(profile, profiles.load_tuning(tuning) if tuning else None)
 
 
+def _join_the_full_world() -> None:
+    """--stand-ins K: a torchrun worker is told the job's full world, as torchrun on the full job
+    would tell it: WORLD_SIZE and ROLE_WORLD_SIZE K times the running ranks, GROUP_WORLD_SIZE K
+    times the running nodes (the running ranks are the first ones, so RANK stays). The running
+    world is kept for the emulated NCCL (MIRAGE_STAND_INS_RUNNING_WORLD), which also marks the
+    rewrite as done for the worker's own children. Ranks mirage starts itself get the full world
+    from the launcher; torchrun's agent (no TORCHELASTIC_RUN_ID) keeps the running one, which its
+    rendezvous among the running nodes needs."""
+    copies = int(os.environ.get("MIRAGE_STAND_INS", "1"))
+    if copies == 1 or "TORCHELASTIC_RUN_ID" not in os.environ or "MIRAGE_STAND_INS_RUNNING_WORLD" in os.environ:
+        return
+    os.environ["MIRAGE_STAND_INS_RUNNING_WORLD"] = os.environ["WORLD_SIZE"]
+    for name in ("WORLD_SIZE", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE"):
+        if name in os.environ:
+            os.environ[name] = str(int(os.environ[name]) * copies)
+
+
 def _load_shim(torch_dir: str) -> None:
     """Maps this process's own torch libraries, then the shim that links to them. The shim (cached
     per torch binary, shared by environments holding the same wheel) carries no path to a torch
@@ -90,6 +107,7 @@ def complete_forked_process(torch: ModuleType) -> None:
     server, once it has taken over its process's environment."""
     from mirage.runtime import session, torch_cuda
 
+    _join_the_full_world()
     _export_for_shim()
     # What the shim reads from the environment when it loads, read again for this process:
     # its slot in the session's memory table (node, rank) and its rank's faults.
@@ -102,6 +120,9 @@ def complete_forked_process(torch: ModuleType) -> None:
 
 def arm() -> None:
     """Arms the torch import hook if this process belongs to a mirage session."""
-    if not os.environ.get("MIRAGE_SHIM_PATH") or "torch" in sys.modules:
+    if not os.environ.get("MIRAGE_SHIM_PATH"):
+        return
+    _join_the_full_world()
+    if "torch" in sys.modules:
         return
     sys.meta_path.insert(0, _TorchImportHook())

@@ -1,0 +1,51 @@
+"""--stand-ins K (docs/stand-in-replicas.md): a clocked, predict-only job runs 1/K of its nodes,
+each running rank standing for K data-parallel replicas. Checked against the full job: the same
+world as the program sees it, the same answers to integer collectives, the same FSDP shards, and
+the same predicted step time and peak memory."""
+
+import json
+
+import pytest
+
+from conftest import mirage
+
+WORKLOAD = "tests/workloads/stand_ins.py"
+TORCHRUN = ("torchrun --nnodes=$MIRAGE_NUM_NODES --node-rank=$MIRAGE_NODE_RANK --nproc-per-node=2 "
+            f"--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT {WORKLOAD}")
+
+
+def predicted(tmp_path, name: str, nodes: int, *flags: str) -> tuple[list[str], dict]:
+    """The rank-0 lines the workload prints and the session's summary."""
+    summary = tmp_path / f"{name}.json"
+    result = mirage("run", "--timing", "--predict-only", "--num-nodes", str(nodes), "--gpus-per-node", "2",
+                    "--summary-json", str(summary), *flags, "--", "bash", "-c", TORCHRUN, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = [line.split("] ", 1)[-1] for line in result.stdout.splitlines() if "world " in line or "shard rows" in line]
+    return lines, json.loads(summary.read_text())
+
+
+def test_stand_ins_predict_what_the_full_job_predicts(tmp_path):
+    full_lines, full = predicted(tmp_path, "full", 2)
+    lines, stood_in = predicted(tmp_path, "stand_ins", 2, "--stand-ins", "2")
+    # What the program sees: a world of 4, an all_reduce of ones counting 4, every rank's object,
+    # parameters sharded 4 ways
+    assert full_lines == ["world 4 WORLD_SIZE 4 ones 4 local ranks [0, 1, 0, 1]", "shard rows 256 of 1024"]
+    assert lines == full_lines
+    # Half the processes ran, and predicted what all of them did
+    assert len(stood_in["processes"]) * 2 == len(full["processes"])
+    assert stood_in["timing"]["job"] == full["timing"]["job"]
+    # The comparison can tell: one node's job of 2 ranks, without stand-ins, predicts otherwise
+    _, one_node = predicted(tmp_path, "one_node", 1)
+    assert one_node["timing"]["job"]["step_ms"] != full["timing"]["job"]["step_ms"]
+    assert one_node["timing"]["job"]["peak_allocated"] > full["timing"]["job"]["peak_allocated"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--timing", "--num-nodes", "2"], "--stand-ins needs --timing --predict-only"),
+    (["--timing", "--predict-only", "--num-nodes", "3"], "--stand-ins 2 does not divide --num-nodes 3"),
+    (["--timing", "--predict-only", "--num-nodes", "2", "--nproc-per-node", "2"], "--stand-ins needs the ranks "
+                                                                                   "launched by torchrun"),
+])
+def test_stand_ins_refused_where_they_cannot_stand(flags: list[str], message: str):
+    result = mirage("run", *flags, "--stand-ins", "2", "--", "python", "-c", "print('ran')")
+    assert result.returncode == 2 and message in result.stderr and "ran" not in result.stdout
