@@ -17,13 +17,17 @@ largest sum, over the run's process tree, of each process's Pss, sampled every 0
 predicted step time (mirage's summary: the median step of the slowest rank), the TPS/GPU it
 gives (local batch x sequence length / step time), the memory torchtitan's own metrics line
 prints (its peak reserved, the published column), and their errors against the published row.
-Nothing is fitted to these rows. Prints a table; the figures go to docs/benchmarks/ (record.py).
+Nothing is fitted to these rows. Cases of 128 GPUs and more run with `--stand-ins` (one node's
+ranks standing for the data-parallel replicas; docs/stand-in-replicas.md), and
+8b-fsdp-64-a100-op-stand-ins checks that against the full 64-rank run of 8b-fsdp-64-a100-op.
+Prints a table; the figures go to docs/benchmarks/ (record.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 import tempfile
@@ -52,6 +56,15 @@ class Case:
     published_gib: float
     parallelism: list[str] = field(default_factory=list)
     profile: str = "h100-96gb"
+    stand_ins: int = 1  # mirage run --stand-ins: 1/stand_ins of the nodes run (docs/stand-in-replicas.md)
+    like_for_like: bool = True  # False: the published run used what this one does not (named in `row`)
+
+    def model_parallel(self) -> int:
+        """The GPUs one model replica spans (torchtitan's non-data-parallel size): the product of
+        the parallelism degrees the case sets."""
+        degrees = [int(value) for flag, value in zip(self.parallelism, self.parallelism[1:])
+                   if flag.endswith(("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree"))]
+        return math.prod(degrees)
 
 
 SELECTIVE_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
@@ -59,10 +72,16 @@ CASES = {
     "8b-fsdp-8": Case("Table 1 (8B, 8 GPUs): FSDP", 1, "8B", 2, 8192, SELECTIVE_OP, 5762, 82.4),
     "8b-fsdp-16": Case("Table 1's job on 2 nodes (no published row: host-memory scaling)", 2, "8B", 2, 8192,
                        SELECTIVE_OP, 0, 0.0),
-    "8b-fsdp-128": Case("Table 3 (8B, 128 GPUs): FSDP", 16, "8B", 2, 8192, SELECTIVE_OP, 5605, 67.0),
+    "8b-fsdp-128": Case("Table 3 (8B, 128 GPUs): FSDP", 16, "8B", 2, 8192, SELECTIVE_OP, 5605, 67.0, stand_ins=16),
+    "70b-fsdp32-tp8-256": Case("Table 4 (70B, 256 GPUs): FSDP 32 x TP 8, full AC; published with torch.compile and "
+                               "Float8, run here without both", 32, "70B", 16, 8192,
+                               ["--activation_checkpoint.mode", "full"], 829, 71.9,
+                               ["--parallelism.tensor_parallel_degree", "8"], stand_ins=32, like_for_like=False),
     # torchtitan's docs/performance.md (mid-2024): 64 A100 80GB, FSDP2, eager, Llama 3 8B (no memory column)
     "8b-fsdp-64-a100-op": Case("performance.md (8B, 64 A100): selective op", 8, "8B", 1, 8192, SELECTIVE_OP, 2973, 0.0,
                                profile="a100"),
+    "8b-fsdp-64-a100-op-stand-ins": Case("performance.md (8B, 64 A100): selective op, 1 node standing for 8", 8, "8B",
+                                         1, 8192, SELECTIVE_OP, 2973, 0.0, profile="a100", stand_ins=8),
     "70b-fsdp-64-a100-full": Case("performance.md (70B, 64 A100): full AC", 8, "70B", 1, 8192,
                                   ["--activation_checkpoint.mode", "full"], 331, 0.0, profile="a100"),
 }
@@ -85,11 +104,13 @@ def torchrun(case: Case, assets: Path, dump: Path, steps: int) -> list[str]:
 
 def run_case(name: str, case: Case, assets: Path, paths: str, steps: int, work: Path) -> dict:
     summary = work / f"{name}.json"
+    stand_ins = ["--stand-ins", str(case.stand_ins)] if case.stand_ins > 1 else []
     result = mirage(["--timing", "--predict-only", "--virtual-clock", "--lazy-device-memory", "--profile", case.profile,
-                     "--num-nodes", str(case.nodes), "--gpus-per-node", str(GPUS_PER_NODE),
+                     "--num-nodes", str(case.nodes), "--gpus-per-node", str(GPUS_PER_NODE), *stand_ins,
                      "--summary-json", str(summary), "--env", f"PYTHONPATH={paths}", "--",
                      *torchrun(case, assets, work / name, steps)])
-    figures = {"row": case.row, "profile": case.profile, "gpus": case.nodes * GPUS_PER_NODE, "wall_s": round(result["wall_s"], 1),
+    figures = {"row": case.row, "profile": case.profile, "gpus": case.nodes * GPUS_PER_NODE, "stand_ins": case.stand_ins,
+               "like_for_like": case.like_for_like, "wall_s": round(result["wall_s"], 1),
                "host_peak_gib": round(result["peak_gib"], 2), "exit": result["code"]}
     if result["code"] != 0:
         figures["error"] = (result["stdout"] + result["stderr"])[-1500:]
@@ -97,7 +118,9 @@ def run_case(name: str, case: Case, assets: Path, paths: str, steps: int, work: 
     timing = json.loads(summary.read_text())["timing"]
     step_ms = timing["job"]["step_ms"]
     memories = [float(gib) for gib in re.findall(r"memory:\s+([0-9.]+)GiB", result["stdout"] + result["stderr"])]
-    figures.update(step_ms=round(step_ms, 1), tps_per_gpu=round(case.local_batch * case.seq_len / (step_ms / 1e3)),
+    # torchtitan's TPS/GPU: a data-parallel rank's tokens over the step, shared by the GPUs of its model replica
+    figures.update(step_ms=round(step_ms, 1),
+                   tps_per_gpu=round(case.local_batch * case.seq_len / (step_ms / 1e3) / case.model_parallel()),
                    memory_gib=max(memories) if memories else None)
     if case.published_tps:
         figures.update(published_tps=case.published_tps, published_gib=case.published_gib or None,
