@@ -80,6 +80,10 @@ CASES = {
     # torchtitan's docs/performance.md (mid-2024): 64 A100 80GB, FSDP2, eager, Llama 3 8B (no memory column)
     "8b-fsdp-64-a100-op": Case("performance.md (8B, 64 A100): selective op", 8, "8B", 1, 8192, SELECTIVE_OP, 2973, 0.0,
                                profile="a100"),
+    "8b-fsdp-64-a100-layer": Case("performance.md (8B, 64 A100): selective layer (every 2nd block), 1 node standing "
+                                  "for 8", 8, "8B", 1, 8192, ["--activation_checkpoint.mode", "selective",
+                                  "--activation_checkpoint.selective_ac_option", "2"], 2904, 0.0, profile="a100",
+                                  stand_ins=8),
     "8b-fsdp-64-a100-op-stand-ins": Case("performance.md (8B, 64 A100): selective op, 1 node standing for 8", 8, "8B",
                                          1, 8192, SELECTIVE_OP, 2973, 0.0, profile="a100", stand_ins=8),
     "70b-fsdp-64-a100-full": Case("performance.md (70B, 64 A100): full AC", 8, "70B", 1, 8192,
