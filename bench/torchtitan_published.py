@@ -57,6 +57,7 @@ class Case:
     parallelism: list[str] = field(default_factory=list)
     profile: str = "h100-96gb"
     stand_ins: int = 1  # mirage run --stand-ins: 1/stand_ins of the nodes run (docs/stand-in-replicas.md)
+    stand_ins_stride: int = 0  # --stand-ins-stride (0: data parallelism outermost)
     like_for_like: bool = True  # False: the published run used what this one does not (named in `row`)
 
     def model_parallel(self) -> int:
@@ -80,6 +81,12 @@ CASES = {
     # torchtitan's docs/performance.md (mid-2024): 64 A100 80GB, FSDP2, eager, Llama 3 8B (no memory column)
     "8b-fsdp-64-a100-op": Case("performance.md (8B, 64 A100): selective op", 8, "8B", 1, 8192, SELECTIVE_OP, 2973, 0.0,
                                profile="a100"),
+    "405b-fsdp8-tp8-pp8-512": Case("Table 5 (405B, 512 GPUs): FSDP 8 x TP 8 x PP 8, 1F1B, full AC; published with "
+                                   "torch.compile, Float8 and AsyncTP, run here without them", 64, "405B", 32, 8192,
+                                   ["--activation_checkpoint.mode", "full"], 100, 82.5,
+                                   ["--parallelism.tensor_parallel_degree", "8", "--parallelism.pipeline_parallel_degree",
+                                    "8", "--parallelism.pipeline_parallel_schedule", "1F1B"],
+                                   stand_ins=8, stand_ins_stride=8, like_for_like=False),
     "8b-fsdp-64-a100-layer": Case("performance.md (8B, 64 A100): selective layer (every 2nd block), 1 node standing "
                                   "for 8", 8, "8B", 1, 8192, ["--activation_checkpoint.mode", "selective",
                                   "--activation_checkpoint.selective_ac_option", "2"], 2904, 0.0, profile="a100",
@@ -109,6 +116,8 @@ def torchrun(case: Case, assets: Path, dump: Path, steps: int) -> list[str]:
 def run_case(name: str, case: Case, assets: Path, paths: str, steps: int, work: Path) -> dict:
     summary = work / f"{name}.json"
     stand_ins = ["--stand-ins", str(case.stand_ins)] if case.stand_ins > 1 else []
+    if case.stand_ins_stride:
+        stand_ins += ["--stand-ins-stride", str(case.stand_ins_stride)]
     result = mirage(["--timing", "--predict-only", "--virtual-clock", "--lazy-device-memory", "--profile", case.profile,
                      "--num-nodes", str(case.nodes), "--gpus-per-node", str(GPUS_PER_NODE), *stand_ins,
                      "--summary-json", str(summary), "--env", f"PYTHONPATH={paths}", "--",

@@ -129,6 +129,9 @@ def _build_parser() -> _Parser:
     run.add_argument("--stand-ins", metavar="K", type=int, default=1,
                      help="with --timing --predict-only: run 1/K of --num-nodes, each running rank standing for "
                           "K data-parallel replicas (docs/stand-in-replicas.md)")
+    run.add_argument("--stand-ins-stride", metavar="N", type=int,
+                     help="with --stand-ins: the data-parallel index changes every N ranks (torchtitan with "
+                          "pipeline parallelism: TP x CP); default: data parallelism is the outermost dimension")
     run.add_argument("--lazy-device-memory", action="store_true",
                      help="device memory costs host memory only where written, and freed blocks give it back "
                           "(for models larger than the host's RAM; collectives copy through shared memory)")
@@ -293,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
             hang_timeout=args.hang_timeout, quiet=args.quiet, summary_json=args.summary_json,
             env=args.env, workdir=args.workdir, clear_env=args.clear_env_vars, timing=args.timing,
             trace=args.trace, virtual_clock=args.virtual_clock, timing_tuning=args.timing_tuning,
-            predict_only=args.predict_only, stand_ins=args.stand_ins, lazy_device_memory=args.lazy_device_memory,
+            predict_only=args.predict_only, stand_ins=args.stand_ins, stand_ins_stride=args.stand_ins_stride,
+            lazy_device_memory=args.lazy_device_memory,
             faults=args.fault,
             faults_file=args.faults, seed=args.seed, isolate_nodes=args.isolate_nodes,
             node_hostname=args.node_hostname, image=args.image, fork_server=args.fork_server,

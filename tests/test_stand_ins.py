@@ -14,11 +14,11 @@ TORCHRUN = ("torchrun --nnodes=$MIRAGE_NUM_NODES --node-rank=$MIRAGE_NODE_RANK -
             f"--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT {WORKLOAD}")
 
 
-def predicted(tmp_path, name: str, nodes: int, *flags: str) -> tuple[list[str], dict]:
+def predicted(tmp_path, name: str, nodes: int, *flags: str, mesh: str = "") -> tuple[list[str], dict]:
     """The rank-0 lines the workload prints and the session's summary."""
     summary = tmp_path / f"{name}.json"
     result = mirage("run", "--timing", "--predict-only", "--num-nodes", str(nodes), "--gpus-per-node", "2",
-                    "--summary-json", str(summary), *flags, "--", "bash", "-c", TORCHRUN, timeout=600)
+                    "--summary-json", str(summary), *flags, "--", "bash", "-c", f"{TORCHRUN} {mesh}", timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = [line.split("] ", 1)[-1] for line in result.stdout.splitlines() if "world " in line or "shard rows" in line]
     return lines, json.loads(summary.read_text())
@@ -40,11 +40,27 @@ def test_stand_ins_predict_what_the_full_job_predicts(tmp_path):
     assert one_node["timing"]["job"]["peak_allocated"] > full["timing"]["job"]["peak_allocated"]
 
 
+def test_stand_ins_with_the_data_parallel_dimension_inside_pipeline_stages(tmp_path):
+    """torchtitan's layout with pipeline parallelism: stages outermost, then data, then tensor
+    parallelism (rank = stage x 4 + dp x 2 + tp on 4 nodes of 2). --stand-ins-stride 2: the
+    data-parallel index changes every 2 ranks, so nodes 0 and 2 run (stage 0 and 1 of replica 0),
+    sending activations between stages and all-reducing over TP, and stand for nodes 1 and 3."""
+    full_lines, full = predicted(tmp_path, "full", 4, mesh="2 2 2")
+    lines, stood_in = predicted(tmp_path, "stand_ins", 4, "--stand-ins", "2", "--stand-ins-stride", "2",
+                                mesh="2 2 2")
+    assert full_lines == ["world 8 WORLD_SIZE 8 ones 8 local ranks [0, 1, 0, 1, 0, 1, 0, 1]", "shard rows 512 of 1024"]
+    assert lines == full_lines
+    assert len(stood_in["processes"]) * 2 == len(full["processes"])
+    assert stood_in["timing"]["job"] == full["timing"]["job"]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--timing", "--num-nodes", "2"], "--stand-ins needs --timing --predict-only"),
     (["--timing", "--predict-only", "--num-nodes", "3"], "--stand-ins 2 does not divide --num-nodes 3"),
     (["--timing", "--predict-only", "--num-nodes", "2", "--nproc-per-node", "2"], "--stand-ins needs the ranks "
                                                                                    "launched by torchrun"),
+    (["--timing", "--predict-only", "--num-nodes", "4", "--gpus-per-node", "2", "--stand-ins-stride", "3"],
+     "--stand-ins-stride 3 must be a whole number of nodes' ranks"),
 ])
 def test_stand_ins_refused_where_they_cannot_stand(flags: list[str], message: str):
     result = mirage("run", *flags, "--stand-ins", "2", "--", "python", "-c", "print('ran')")

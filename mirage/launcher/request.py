@@ -48,6 +48,7 @@ class RunRequest:
     timing_tuning: str | None = None     # a TOML file overriding the model's numbers
     predict_only: bool = False           # place kernels on the timeline without running them
     stand_ins: int = 1                   # each running rank stands for this many data-parallel replicas
+    stand_ins_stride: int | None = None  # the data-parallel index changes every this many ranks (None: outermost)
     lazy_device_memory: bool = False     # device memory is host memory only where written
     faults: list[str] = field(default_factory=list)  # --fault specs (mirage/launcher/faults.py)
     faults_file: str | None = None       # --faults FILE
@@ -86,7 +87,7 @@ def validate(request: RunRequest) -> tuple[profiles.Profile, int]:
         raise UsageError(f"--gpus-per-node {gpus} is out of range; use 1 to {MAX_GPUS_PER_NODE}")
     if not 1 <= request.num_nodes <= MAX_NODES:
         raise UsageError(f"--num-nodes {request.num_nodes} is out of range; use 1 to {MAX_NODES}")
-    _validate_stand_ins(request)
+    _validate_stand_ins(request, gpus)
     if request.nproc_per_node is not None and not 1 <= request.nproc_per_node <= MAX_GPUS_PER_NODE:
         raise UsageError(f"--nproc-per-node {request.nproc_per_node} is out of range; use 1 to {MAX_GPUS_PER_NODE}")
     if not request.hang_timeout > 0:  # also refuses nan
@@ -142,11 +143,13 @@ def _validate_image(request: RunRequest) -> None:
                          "and iproute2")
 
 
-def _validate_stand_ins(request: RunRequest) -> None:
+def _validate_stand_ins(request: RunRequest, gpus: int) -> None:
     """--stand-ins K: refused where its assumption cannot hold. The session runs 1/K of the job's
     nodes (run.py), and their workers are told the full world (runtime/boot.py)."""
     copies = request.stand_ins
     if copies == 1:
+        if request.stand_ins_stride is not None:
+            raise UsageError("--stand-ins-stride says how --stand-ins lays out the replicas. Fix: add --stand-ins K")
         return
     if copies < 1:
         raise UsageError(f"--stand-ins {copies} must be a positive number of replicas each running rank stands "
@@ -157,6 +160,12 @@ def _validate_stand_ins(request: RunRequest) -> None:
     if request.num_nodes % copies:
         raise UsageError(f"--stand-ins {copies} does not divide --num-nodes {request.num_nodes}: the job's nodes "
                          f"run in {copies} identical replicas. Fix: a --stand-ins that divides {request.num_nodes}")
+    stride = request.stand_ins_stride
+    if stride is not None and (stride < 1 or stride % gpus or (request.num_nodes * gpus) % (stride * copies)):
+        raise UsageError(f"--stand-ins-stride {stride} must be a whole number of nodes' ranks (a multiple of "
+                         f"--gpus-per-node {gpus}) whose {copies} replicas tile the job's "
+                         f"{request.num_nodes * gpus} ranks. Fix: the ranks of one data-parallel index, e.g. "
+                         "torchtitan's TP x CP degree")
     if request.nproc_per_node is not None:
         raise UsageError("--stand-ins needs the ranks launched by torchrun: ranks mirage starts itself "
                          "(--nproc-per-node) meet at rank 0's store, which waits for every rank of the world, "

@@ -285,6 +285,8 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
                 emulator["MIRAGE_PREDICT_ONLY"] = "1"
             if stand_ins > 1:
                 emulator["MIRAGE_STAND_INS"] = str(stand_ins)
+                if request.stand_ins_stride:
+                    emulator["MIRAGE_STAND_INS_STRIDE"] = str(request.stand_ins_stride)
             if request.timing_tuning:
                 emulator["MIRAGE_TIMING_TUNING"] = str(Path(request.timing_tuning).expanduser().resolve())
         if faults:

@@ -136,11 +136,14 @@ void ProcessGroupNCCL::check_distinct_gpus(const std::vector<at::Tensor>& tensor
   with_payload().all_gather(to, reinterpret_cast<const char*>(mine), 3, at::kLong, timing);
   std::vector<int64_t> hosts, nodes;
   for (int r = 0; r < size_; ++r) {
-    // --stand-ins: replica k of a running member lies k running-worlds of nodes further on
-    const int64_t replica = stand_ins_map_ ? stand_ins_map_->replica[r] : 0;
-    if (replica) {
-      all[3 * r] = static_cast<int64_t>(std::hash<std::string>{}(std::to_string(all[3 * r]) + "/" + std::to_string(replica)));
-      all[3 * r + 2] += replica * env_int("MIRAGE_NUM_NODES", 1);
+    // --stand-ins: a stood-in member is on a host of its own, and every member's node is the
+    // full job's (its global rank's, torchrun numbering the ranks node by node)
+    if (stand_ins_map_) {
+      if (const int replica = stand_ins_map_->replica[r]) {
+        all[3 * r] = static_cast<int64_t>(std::hash<std::string>{}(std::to_string(all[3 * r]) + "/" +
+                                                                     std::to_string(replica)));
+      }
+      all[3 * r + 2] = static_cast<int64_t>(group_ranks()[r]) / std::max(1, env_int("LOCAL_WORLD_SIZE", 1));
     }
     hosts.push_back(all[3 * r]);
     nodes.push_back(all[3 * r + 2]);

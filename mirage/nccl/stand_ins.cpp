@@ -1,6 +1,7 @@
 // Stand-in replicas (mirage run --stand-ins K; docs/stand-in-replicas.md). The job's world has
-// W ranks, of which the first R = W / K run: rank r stands for r + R, r + 2R, ... (the replicas
-// of a data-parallel job, whose work is the same as r's). A group keeps its full membership:
+// W ranks in K data-parallel replicas, whose index changes every `stride` ranks (W / K: data
+// parallelism outermost); the ranks of replica 0 run, each standing for the K - 1 ranks of the
+// other replicas at its place (their work is the same as its own). A group keeps its full membership:
 // the backend reports its full size and the caller's full rank, so FSDP shards into W pieces and
 // the clock costs each collective for every rank and node it spans. Its transport joins the
 // running members only, and this communicator answers for the absent ones, on the assumption
@@ -17,6 +18,7 @@
 // go point to point (gather, scatter, all_to_all) with integer data are refused: no stand-in
 // answer is defined for them.
 
+#include "checks.h"
 #include "transport.h"
 
 #include <c10/util/Exception.h>
@@ -110,40 +112,44 @@ std::optional<StandInMap> stand_in_map(int rank, int size, const std::vector<uin
   const char* running_world = std::getenv("MIRAGE_STAND_INS_RUNNING_WORLD");
   if (!running_world || !*running_world) return std::nullopt;
   const uint64_t running = std::strtoull(running_world, nullptr, 10);
+  const uint64_t copies = static_cast<uint64_t>(env_int("MIRAGE_STAND_INS", 1));
+  // The data-parallel index changes every `stride` ranks (runtime/boot.py): rank g is replica
+  // (g / stride) % copies of the running rank with that index 0.
+  const uint64_t stride = static_cast<uint64_t>(env_int("MIRAGE_STAND_INS_STRIDE", static_cast<int>(running)));
   const auto global = [&](int member) {
     return global_ranks.empty() ? static_cast<uint64_t>(member) : global_ranks[static_cast<size_t>(member)];
   };
   StandInMap map;
   map.rank = rank;
   std::vector<int> running_index(static_cast<size_t>(size), -1);
-  std::vector<int> copies;
+  std::vector<int> copies_of;
   for (int member = 0; member < size; ++member) {
-    if (global(member) < running) {
-      running_index[static_cast<size_t>(member)] = static_cast<int>(copies.size());
-      copies.push_back(0);
+    if ((global(member) / stride) % copies == 0) {
+      running_index[static_cast<size_t>(member)] = static_cast<int>(copies_of.size());
+      copies_of.push_back(0);
     }
   }
-  if (static_cast<int>(copies.size()) == size) return std::nullopt;  // every member runs: a plain group
+  if (static_cast<int>(copies_of.size()) == size) return std::nullopt;  // every member runs: a plain group
   for (int member = 0; member < size; ++member) {
-    const uint64_t stand_in = global(member) % running;
+    const uint64_t g = global(member);
+    const uint64_t stand_in = g / (stride * copies) * stride * copies + g % stride;
     int index = -1;
     for (int other = 0; other < size && index < 0; ++other) {
       if (global(other) == stand_in) index = running_index[static_cast<size_t>(other)];
     }
-    TORCH_CHECK(index >= 0, "mirage --stand-ins: rank ", global(member), " of a group is stood in for by rank ",
-                stand_in, ", which is not in the group: the group's members are not whole data-parallel replicas "
-                "(--stand-ins assumes the data-parallel dimension is the outermost of the job's mesh); run "
-                "without --stand-ins");
+    TORCH_CHECK(index >= 0, "mirage --stand-ins: rank ", g, " of a group is stood in for by rank ", stand_in,
+                ", which is not in the group: the group's members are not whole data-parallel replicas (the "
+                "data-parallel index must change every --stand-ins-stride ranks); run without --stand-ins");
     map.stand_in.push_back(index);
-    map.replica.push_back(static_cast<int>(global(member) / running));
-    ++copies[static_cast<size_t>(index)];
+    map.replica.push_back(static_cast<int>((g / stride) % copies));
+    ++copies_of[static_cast<size_t>(index)];
   }
-  for (int count : copies) {
-    TORCH_CHECK(count == copies[0], "mirage --stand-ins: the running members of a group stand for unequal numbers "
+  for (int count : copies_of) {
+    TORCH_CHECK(count == copies_of[0], "mirage --stand-ins: the running members of a group stand for unequal numbers "
                 "of ranks; the group's members are not whole data-parallel replicas; run without --stand-ins");
   }
   map.running_rank = running_index[static_cast<size_t>(rank)];
-  map.running_size = static_cast<int>(copies.size());
+  map.running_size = static_cast<int>(copies_of.size());
   return map;
 }
 

@@ -39,17 +39,24 @@ def _export_for_shim() -> None:
 
 
 def _join_the_full_world() -> None:
-    """--stand-ins K: a torchrun worker is told the job's full world, as torchrun on the full job
-    would tell it: WORLD_SIZE and ROLE_WORLD_SIZE K times the running ranks, GROUP_WORLD_SIZE K
-    times the running nodes (the running ranks are the first ones, so RANK stays). The running
-    world is kept for the emulated NCCL (MIRAGE_STAND_INS_RUNNING_WORLD), which also marks the
-    rewrite as done for the worker's own children. Ranks mirage starts itself get the full world
-    from the launcher; torchrun's agent (no TORCHELASTIC_RUN_ID) keeps the running one, which its
-    rendezvous among the running nodes needs."""
+    """--stand-ins K: a torchrun worker is told its place in the full job, as torchrun on the full
+    job would tell it. The job's ranks form K data-parallel replicas whose index changes every
+    MIRAGE_STAND_INS_STRIDE ranks (default: the running world, data parallelism outermost); the
+    running ranks are replica 0's, in order. So: WORLD_SIZE and ROLE_WORLD_SIZE are K times the
+    running ranks, GROUP_WORLD_SIZE K times the running nodes, and RANK, ROLE_RANK and GROUP_RANK
+    the running rank's place among all. The running world and the stride are kept for the emulated
+    NCCL (MIRAGE_STAND_INS_RUNNING_WORLD marks the rewrite as done for the worker's own children).
+    torchrun's agent (no TORCHELASTIC_RUN_ID) keeps the running world its rendezvous needs."""
     copies = int(os.environ.get("MIRAGE_STAND_INS", "1"))
     if copies == 1 or "TORCHELASTIC_RUN_ID" not in os.environ or "MIRAGE_STAND_INS_RUNNING_WORLD" in os.environ:
         return
-    os.environ["MIRAGE_STAND_INS_RUNNING_WORLD"] = os.environ["WORLD_SIZE"]
+    running = int(os.environ["WORLD_SIZE"])
+    stride = int(os.environ.get("MIRAGE_STAND_INS_STRIDE") or running)
+    rank = int(os.environ["RANK"])
+    full_rank = rank // stride * stride * copies + rank % stride
+    os.environ.update(MIRAGE_STAND_INS_RUNNING_WORLD=str(running), MIRAGE_STAND_INS_STRIDE=str(stride),
+                      RANK=str(full_rank), ROLE_RANK=str(full_rank),
+                      GROUP_RANK=str(full_rank // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     for name in ("WORLD_SIZE", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE"):
         if name in os.environ:
             os.environ[name] = str(int(os.environ[name]) * copies)
