@@ -160,12 +160,14 @@ static bool predict_without_running(const c10::OperatorHandle& op, const OpTrait
   DeviceIndex device = -1;
   at::ScalarType dtype = at::kFloat;
   int64_t bytes = 0;
+  bool integral = true;  // every device tensor in holds integers or bools
   auto count = [&](const at::Tensor& t) {
     if (!t.defined() || !t.is_cuda()) return t;
     if (device < 0) {
       device = t.device().index();
       dtype = t.scalar_type();
     }
+    integral = integral && !is_phantom_dtype(t.scalar_type());
     bytes += static_cast<int64_t>(t.numel() * t.itemsize());
     return t;
   };
@@ -178,6 +180,11 @@ static bool predict_without_running(const c10::OperatorHandle& op, const OpTrait
     }
   }
   if (device < 0) return false;  // factories (no device tensor in): cheap, and their values may matter
+  // Small kernels of integers and bools run: what they compute steers the program (the sizes
+  // send_object_list concatenates and recv_object_list sums, token counts, indices), and the
+  // host reads it as it is (is_phantom_dtype).
+  constexpr int64_t kSteeringBytes = int64_t{16} << 20;
+  if (integral && bytes <= kSteeringBytes) return false;
   bytes += unreturned_write_bytes(traits, arguments.data());
   if (!run_on_meta(op, stack, false, nullptr)) return false;
   clock_kernel(op, traits, device, dtype, bytes, arguments, stack->data() + (stack->size() - traits.num_returns));

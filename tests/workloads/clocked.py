@@ -167,11 +167,19 @@ def phantom() -> None:
     """Two ranks all-reduce a buffer each filled from the host with its rank + 1 (a host copy
     moves its bytes in every mode); prints the all_reduce's predicted time, what the buffer
     holds after it (as a float, and its bits as an int32, which the host reads for real under
-    --predict-only), a loss no kernel computed, and what all_gather_object (pickles in uint8
-    tensors) gathered."""
+    --predict-only), a loss no kernel computed, what all_gather_object (pickles in uint8
+    tensors) gathered, what recv_object_list received (sizes a kernel concatenates and sums on
+    the device), and a sum of integers on the device."""
     dist, rank, _, t = two_ranks()
     objects = [None, None]
     dist.all_gather_object(objects, {"rank": rank})
+    received = [None]
+    if rank == 0:
+        dist.send_object_list([{"from": 0, "pad": "x" * 100}], dst=1)
+    else:
+        dist.recv_object_list(received, src=0)
+    counts = torch.tensor([3, 4], device="cuda")
+    integer_sum = torch.cat([counts, counts * 2]).sum().item()
     t.copy_(torch.full((2**20,), float(rank + 1)))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -181,7 +189,7 @@ def phantom() -> None:
     loss = (t.view(1024, 1024) @ t.view(1024, 1024)).mean()
     print(json.dumps({"rank": rank, "all_reduce_ms": start.elapsed_time(end), "first": t[0].item(),
                       "first_bits": t.view(torch.int32)[0].item(), "loss": loss.item(), "loss_on_host": loss.cpu().tolist(),
-                      "objects": objects}))
+                      "objects": objects, "received": received[0] and received[0]["from"], "integer_sum": integer_sum}))
     dist.destroy_process_group()
 
 
