@@ -2,7 +2,8 @@
 
 Usage:
     mirage run [--profile P] [--gpus-per-node N] [--num-nodes M] [--nproc-per-node K]
-               [--timing [--trace PATH] [--virtual-clock] [--timing-tuning FILE] [--predict-only]]
+               [--timing [--trace PATH] [--virtual-clock] [--timing-tuning FILE]
+                         [--predict-only [--stand-ins K [--stand-ins-stride N]]]]
                [--isolate-nodes | --no-isolate-nodes] [--node-hostname PATTERN] [--image NAME]
                [--lazy-device-memory] [--env K=V]... [--workdir DIR] [--clear-env-vars] [--no-fork-server]
                -- CMD ARGS...
