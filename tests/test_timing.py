@@ -222,7 +222,8 @@ def test_predict_only_collectives_move_no_payload_and_take_the_full_runs_time():
     its bits read as integers show; read as floats, such data is the placeholder 0); its
     predicted time is the full run's. Integer collectives, which carry what steers the program
     (all_gather_object's pickles and sizes), still move their bytes, and small kernels of
-    integers still run (send_object_list concatenates its sizes on the device). Desyncs are still caught
+    integers still run (send_object_list concatenates its sizes on the device); small integer
+    results of kernels that did not run read as 0. Desyncs are still caught
     (tests/test_distributed.py's desync test runs under --predict-only too)."""
     results = {}
     for mode in ("full", "predict-only"):
@@ -246,6 +247,8 @@ def test_predict_only_collectives_move_no_payload_and_take_the_full_runs_time():
         # small kernels of integers run: send/recv_object_list's sizes, a sum the host reads
         assert results_of_mode[1]["received"] == 0 and results_of_mode[0]["received"] is None
         assert [results_of_mode[r]["integer_sum"] for r in (0, 1)] == [21, 21]
+        # a mask no kernel computed reads as 0, not as what its memory held before
+        assert [results_of_mode[r]["mask_any"] for r in (0, 1)] == [False, False]
     assert [predicted[r]["all_reduce_ms"] for r in (0, 1)] == [full[r]["all_reduce_ms"] for r in (0, 1)]
 
 

@@ -14,6 +14,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstring>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -139,6 +141,10 @@ static void clock_kernel(const c10::OperatorHandle& op, const OpTraits& traits, 
   if (traits.synchronizes) host_waits_for(end);
 }
 
+// --predict-only: integer and bool data up to this size steers the program: its kernels run,
+// and what no kernel computed reads as 0 (predict_without_running).
+constexpr int64_t kSteeringBytes = int64_t{16} << 20;
+
 // --predict-only: the op's results from its Meta kernel (contents undefined) and its predicted
 // time, without running the CPU kernel; false where the op needs its data (it then runs).
 static bool predict_without_running(const c10::OperatorHandle& op, const OpTraits& traits, torch::jit::Stack* stack) {
@@ -160,14 +166,17 @@ static bool predict_without_running(const c10::OperatorHandle& op, const OpTrait
   DeviceIndex device = -1;
   at::ScalarType dtype = at::kFloat;
   int64_t bytes = 0;
-  bool integral = true;  // every device tensor in holds integers or bools
+  bool steering = true;  // every device tensor in holds integers or bools, in a small storage
+  c10::SmallVector<const void*, 8> inputs;  // their storages
   auto count = [&](const at::Tensor& t) {
     if (!t.defined() || !t.is_cuda()) return t;
+    inputs.push_back(t.storage().data());
     if (device < 0) {
       device = t.device().index();
       dtype = t.scalar_type();
     }
-    integral = integral && !is_phantom_dtype(t.scalar_type());
+    steering = steering && !is_phantom_dtype(t.scalar_type()) &&
+               static_cast<int64_t>(t.storage().nbytes()) <= kSteeringBytes;
     bytes += static_cast<int64_t>(t.numel() * t.itemsize());
     return t;
   };
@@ -183,10 +192,21 @@ static bool predict_without_running(const c10::OperatorHandle& op, const OpTrait
   // Small kernels of integers and bools run: what they compute steers the program (the sizes
   // send_object_list concatenates and recv_object_list sums, token counts, indices), and the
   // host reads it as it is (is_phantom_dtype).
-  constexpr int64_t kSteeringBytes = int64_t{16} << 20;
-  if (integral && bytes <= kSteeringBytes) return false;
+  if (steering) return false;
   bytes += unreturned_write_bytes(traits, arguments.data());
   if (!run_on_meta(op, stack, false, nullptr)) return false;
+  // What such kernels read of a kernel that did not run (a mask compared from floating-point
+  // data, indices of a maximum) is the placeholder 0, as the host reads floating-point data:
+  // small new integer results are zeroed, in place (no kernel on the timeline).
+  for (size_t i = stack->size() - traits.num_returns; i < stack->size(); ++i) {
+    if (!(*stack)[i].isTensor()) continue;
+    const at::Tensor& out = (*stack)[i].toTensor();
+    if (out.defined() && out.is_cuda() && !is_phantom_dtype(out.scalar_type()) &&
+        static_cast<int64_t>(out.storage().nbytes()) <= kSteeringBytes &&
+        std::find(inputs.begin(), inputs.end(), out.storage().data()) == inputs.end()) {
+      std::memset(out.storage().mutable_data(), 0, out.storage().nbytes());
+    }
+  }
   clock_kernel(op, traits, device, dtype, bytes, arguments, stack->data() + (stack->size() - traits.num_returns));
   return true;
 }

@@ -180,6 +180,9 @@ def phantom() -> None:
         dist.recv_object_list(received, src=0)
     counts = torch.tensor([3, 4], device="cuda")
     integer_sum = torch.cat([counts, counts * 2]).sum().item()
+    stale = torch.ones(4096, dtype=torch.bool).cuda()  # from the host: True in every mode
+    del stale  # its block is what the mask below is likely given
+    mask_any = bool((t[:4096] > 1e9).any())  # no element is; under --predict-only a placeholder 0
     t.copy_(torch.full((2**20,), float(rank + 1)))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -189,7 +192,8 @@ def phantom() -> None:
     loss = (t.view(1024, 1024) @ t.view(1024, 1024)).mean()
     print(json.dumps({"rank": rank, "all_reduce_ms": start.elapsed_time(end), "first": t[0].item(),
                       "first_bits": t.view(torch.int32)[0].item(), "loss": loss.item(), "loss_on_host": loss.cpu().tolist(),
-                      "objects": objects, "received": received[0] and received[0]["from"], "integer_sum": integer_sum}))
+                      "objects": objects, "received": received[0] and received[0]["from"], "integer_sum": integer_sum,
+                      "mask_any": mask_any}))
     dist.destroy_process_group()
 
 
