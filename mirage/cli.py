@@ -298,9 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             env=args.env, workdir=args.workdir, clear_env=args.clear_env_vars, timing=args.timing,
             trace=args.trace, virtual_clock=args.virtual_clock, timing_tuning=args.timing_tuning,
             predict_only=args.predict_only, stand_ins=args.stand_ins, stand_ins_stride=args.stand_ins_stride,
-            lazy_device_memory=args.lazy_device_memory,
-            faults=args.fault,
-            faults_file=args.faults, seed=args.seed, isolate_nodes=args.isolate_nodes,
+            lazy_device_memory=args.lazy_device_memory, faults=args.fault, faults_file=args.faults, seed=args.seed, isolate_nodes=args.isolate_nodes,
             node_hostname=args.node_hostname, image=args.image, fork_server=args.fork_server,
         )
         try:

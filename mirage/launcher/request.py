@@ -121,7 +121,7 @@ def validate(request: RunRequest) -> tuple[profiles.Profile, int]:
                          "or drop --isolate-nodes (the nodes then share this host's network)")
     check_torch_is_cpu_build()
     try:
-        capacity.check(request.command, request.num_nodes // max(request.stand_ins, 1), request.nproc_per_node, gpus,
+        capacity.check(request.command, request.num_nodes // request.stand_ins, request.nproc_per_node, gpus,
                        request.fork_server)
     except capacity.CapacityError as err:
         raise UsageError(str(err)) from None

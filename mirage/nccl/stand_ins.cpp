@@ -7,7 +7,7 @@
 // running members only, and this communicator answers for the absent ones, on the assumption
 // that an absent member's contribution is its stand-in's:
 // - all_reduce: SUM and PREMUL_SUM count each running contribution once per member it stands
-//   for; PRODUCT raises it to that power; AVG, MIN and MAX are unchanged;
+//   for; AVG, MIN and MAX are unchanged; other reductions are refused;
 // - all_gather: an absent member's piece is a copy of its stand-in's;
 // - reduce_scatter: the full input is reduced among the running members as all_reduce reduces it,
 //   and each keeps its own slice;
