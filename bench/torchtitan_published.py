@@ -58,6 +58,7 @@ class Case:
     profile: str = "h100-96gb"
     stand_ins: int = 1  # mirage run --stand-ins: 1/stand_ins of the nodes run (docs/stand-in-replicas.md)
     stand_ins_stride: int = 0  # --stand-ins-stride (0: data parallelism outermost)
+    stand_ins_in_node: int = 1  # --stand-ins-in-node: 1 of every this many ranks of a running node runs
     like_for_like: bool = True  # False: the published run used what this one does not (named in `row`)
 
     def model_parallel(self) -> int:
@@ -86,7 +87,12 @@ CASES = {
                                    ["--activation_checkpoint.mode", "full"], 100, 82.5,
                                    ["--parallelism.tensor_parallel_degree", "8", "--parallelism.pipeline_parallel_degree",
                                     "8", "--parallelism.pipeline_parallel_schedule", "1F1B"],
-                                   stand_ins=8, stand_ins_stride=8, like_for_like=False),
+                                   stand_ins=8, stand_ins_stride=8, stand_ins_in_node=8, like_for_like=False),
+    "70b-fsdp32-tp8-256-in-node": Case("Table 4's job as 70b-fsdp32-tp8-256, each running rank standing for its TP "
+                                       "group too (--stand-ins-in-node 8): the check of that flag at scale", 32, "70B",
+                                       16, 8192, ["--activation_checkpoint.mode", "full"], 829, 71.9,
+                                       ["--parallelism.tensor_parallel_degree", "8"], stand_ins=32,
+                                       stand_ins_in_node=8, like_for_like=False),
     "8b-fsdp-64-a100-layer": Case("performance.md (8B, 64 A100): selective layer (every 2nd block), 1 node standing "
                                   "for 8", 8, "8B", 1, 8192, ["--activation_checkpoint.mode", "selective",
                                   "--activation_checkpoint.selective_ac_option", "2"], 2904, 0.0, profile="a100",
@@ -118,11 +124,14 @@ def run_case(name: str, case: Case, assets: Path, paths: str, steps: int, work: 
     stand_ins = ["--stand-ins", str(case.stand_ins)] if case.stand_ins > 1 else []
     if case.stand_ins_stride:
         stand_ins += ["--stand-ins-stride", str(case.stand_ins_stride)]
+    if case.stand_ins_in_node > 1:
+        stand_ins += ["--stand-ins-in-node", str(case.stand_ins_in_node)]
     result = mirage(["--timing", "--predict-only", "--virtual-clock", "--lazy-device-memory", "--profile", case.profile,
                      "--num-nodes", str(case.nodes), "--gpus-per-node", str(GPUS_PER_NODE), *stand_ins,
                      "--summary-json", str(summary), "--env", f"PYTHONPATH={paths}", "--",
                      *torchrun(case, assets, work / name, steps)])
     figures = {"row": case.row, "profile": case.profile, "gpus": case.nodes * GPUS_PER_NODE, "stand_ins": case.stand_ins,
+               "stand_ins_in_node": case.stand_ins_in_node,
                "like_for_like": case.like_for_like, "wall_s": round(result["wall_s"], 1),
                "host_peak_gib": round(result["peak_gib"], 2), "exit": result["code"]}
     if result["code"] != 0:

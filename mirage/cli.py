@@ -3,7 +3,7 @@
 Usage:
     mirage run [--profile P] [--gpus-per-node N] [--num-nodes M] [--nproc-per-node K]
                [--timing [--trace PATH] [--virtual-clock] [--timing-tuning FILE]
-                         [--predict-only [--stand-ins K [--stand-ins-stride N]]]]
+                         [--predict-only [--stand-ins K [--stand-ins-stride N]] [--stand-ins-in-node T]]]
                [--isolate-nodes | --no-isolate-nodes] [--node-hostname PATTERN] [--image NAME]
                [--lazy-device-memory] [--env K=V]... [--workdir DIR] [--clear-env-vars] [--no-fork-server]
                -- CMD ARGS...
@@ -133,6 +133,9 @@ def _build_parser() -> _Parser:
     run.add_argument("--stand-ins-stride", metavar="N", type=int,
                      help="with --stand-ins: the data-parallel index changes every N ranks (torchtitan with "
                           "pipeline parallelism: TP x CP); default: data parallelism is the outermost dimension")
+    run.add_argument("--stand-ins-in-node", metavar="T", type=int, default=1,
+                     help="with --timing --predict-only: in each running node one of every T local ranks runs, "
+                          "standing for the T ranks of its tensor-parallel group (docs/stand-in-replicas.md)")
     run.add_argument("--lazy-device-memory", action="store_true",
                      help="device memory costs host memory only where written, and freed blocks give it back "
                           "(for models larger than the host's RAM; collectives copy through shared memory)")
@@ -298,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             env=args.env, workdir=args.workdir, clear_env=args.clear_env_vars, timing=args.timing,
             trace=args.trace, virtual_clock=args.virtual_clock, timing_tuning=args.timing_tuning,
             predict_only=args.predict_only, stand_ins=args.stand_ins, stand_ins_stride=args.stand_ins_stride,
+            stand_ins_in_node=args.stand_ins_in_node,
             lazy_device_memory=args.lazy_device_memory, faults=args.fault, faults_file=args.faults, seed=args.seed, isolate_nodes=args.isolate_nodes,
             node_hostname=args.node_hostname, image=args.image, fork_server=args.fork_server,
         )

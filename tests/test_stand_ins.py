@@ -1,5 +1,6 @@
 """--stand-ins K (docs/stand-in-replicas.md): a clocked, predict-only job runs 1/K of its nodes,
-each running rank standing for K data-parallel replicas. Checked against the full job: the same
+each running rank standing for K data-parallel replicas (and with --stand-ins-in-node T for the
+T ranks of its tensor-parallel group). Checked against the full job: the same
 world as the program sees it, the same answers to integer collectives, the same FSDP shards, and
 the same predicted step time and peak memory."""
 
@@ -52,6 +53,32 @@ def test_stand_ins_with_the_data_parallel_dimension_inside_pipeline_stages(tmp_p
     assert lines == full_lines
     assert len(stood_in["processes"]) * 2 == len(full["processes"])
     assert stood_in["timing"]["job"] == full["timing"]["job"]
+
+
+def test_stand_ins_in_node_stand_for_the_tensor_parallel_group_too(tmp_path):
+    """--stand-ins-in-node 2 on the same layout: of each node's 2 ranks (a TP group) only local
+    rank 0 goes on past start-up, so 2 of the job's 8 ranks run (stage 0 and 1 of replica 0),
+    each standing for 4: the same world, the same integer sums, the same shards and the same
+    predicted step and memory as all 8 ranks."""
+    full_lines, full = predicted(tmp_path, "full", 4, mesh="2 2 2")
+    lines, stood_in = predicted(tmp_path, "stand_ins", 4, "--stand-ins", "2", "--stand-ins-stride", "2",
+                                "--stand-ins-in-node", "2", mesh="2 2 2")
+    # all_gather_object: a stood-in rank's object is its stand-in's (local rank 0's); the rest as the full job
+    assert lines == [full_lines[0].replace("[0, 1, 0, 1, 0, 1, 0, 1]", "[0, 0, 0, 0, 0, 0, 0, 0]"), full_lines[1]]
+    # 2 ranks ran collectives (each node's local rank 0 of the 2 running nodes), for the full job's 8
+    assert [entry["rank"] for entry in stood_in["collectives"]] == [0, 4]
+    assert len(full["collectives"]) == 8
+    assert stood_in["timing"]["job"] == full["timing"]["job"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--timing", "--predict-only", "--gpus-per-node", "4", "--stand-ins-in-node", "3"],
+     "--stand-ins-in-node 3 must divide --gpus-per-node 4"),
+    (["--timing", "--gpus-per-node", "2", "--stand-ins-in-node", "2"], "--stand-ins-in-node needs --timing --predict-only"),
+])
+def test_stand_ins_in_node_refused_where_they_cannot_stand(flags: list[str], message: str):
+    result = mirage("run", *flags, "--", "python", "-c", "print('ran')")
+    assert result.returncode == 2 and message in result.stderr and "ran" not in result.stdout
 
 
 @pytest.mark.parametrize("flags, message", [

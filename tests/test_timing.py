@@ -238,6 +238,9 @@ def test_predict_only_collectives_move_no_payload_and_take_the_full_runs_time():
     assert [full[r]["first"] for r in (0, 1)] == [3.0, 3.0]  # 1 + 2: the payload moved
     assert [full[r]["first_bits"] for r in (0, 1)] == [bits[3.0], bits[3.0]]
     assert [predicted[r]["first_bits"] for r in (0, 1)] == [bits[1.0], bits[2.0]]  # each rank's own: none moved
+    # a host copy of floating-point data moves its bytes in a full run, none under --predict-only
+    assert [full[r]["host_float_copy_bits"] for r in (0, 1)] == [struct.unpack("<i", struct.pack("<f", 5.0))[0]] * 2
+    assert [predicted[r]["host_float_copy_bits"] for r in (0, 1)] == [7, 7]
     # what the host reads of floating-point data no kernel computed is the placeholder 0 (README)
     assert [predicted[r][key] for r in (0, 1) for key in ("first", "loss", "loss_on_host")] == [0.0] * 6
     assert full[0]["loss"] == full[0]["loss_on_host"] == 9.0 * 1024

@@ -49,6 +49,7 @@ class RunRequest:
     predict_only: bool = False           # place kernels on the timeline without running them
     stand_ins: int = 1                   # each running rank stands for this many data-parallel replicas
     stand_ins_stride: int | None = None  # the data-parallel index changes every this many ranks (None: outermost)
+    stand_ins_in_node: int = 1           # in each running node, one of every this many local ranks runs
     lazy_device_memory: bool = False     # device memory is host memory only where written
     faults: list[str] = field(default_factory=list)  # --fault specs (mirage/launcher/faults.py)
     faults_file: str | None = None       # --faults FILE
@@ -144,18 +145,24 @@ def _validate_image(request: RunRequest) -> None:
 
 
 def _validate_stand_ins(request: RunRequest, gpus: int) -> None:
-    """--stand-ins K: refused where its assumption cannot hold. The session runs 1/K of the job's
-    nodes (run.py), and their workers are told the full world (runtime/boot.py)."""
-    copies = request.stand_ins
-    if copies == 1:
-        if request.stand_ins_stride is not None:
-            raise UsageError("--stand-ins-stride says how --stand-ins lays out the replicas. Fix: add --stand-ins K")
-        return
+    """--stand-ins K and --stand-ins-in-node T: refused where their assumption cannot hold. The
+    session runs 1/K of the job's nodes (run.py), 1/T of each node's ranks go on past start-up, and
+    their workers are told the full world (runtime/boot.py)."""
+    copies, in_node = request.stand_ins, request.stand_ins_in_node
     if copies < 1:
         raise UsageError(f"--stand-ins {copies} must be a positive number of replicas each running rank stands "
                          "for (e.g. --stand-ins 8)")
+    if in_node < 1 or gpus % in_node:
+        raise UsageError(f"--stand-ins-in-node {in_node} must divide --gpus-per-node {gpus}: each running rank "
+                         "stands for the ranks of its tensor-parallel group on its node. Fix: the tensor-parallel "
+                         "degree, e.g. --stand-ins-in-node 8")
+    if copies == 1 and request.stand_ins_stride is not None:
+        raise UsageError("--stand-ins-stride says how --stand-ins lays out the replicas. Fix: add --stand-ins K")
+    if copies == 1 and in_node == 1:
+        return
+    flag = "--stand-ins" if copies > 1 else "--stand-ins-in-node"
     if not (request.timing and request.predict_only):
-        raise UsageError("--stand-ins needs --timing --predict-only: a stood-in replica computes nothing, so only "
+        raise UsageError(f"{flag} needs --timing --predict-only: a stood-in rank computes nothing, so only "
                          "a prediction can stand for it. Fix: add --timing --predict-only")
     if request.num_nodes % copies:
         raise UsageError(f"--stand-ins {copies} does not divide --num-nodes {request.num_nodes}: the job's nodes "
@@ -167,12 +174,12 @@ def _validate_stand_ins(request: RunRequest, gpus: int) -> None:
                          f"{request.num_nodes * gpus} ranks. Fix: the ranks of one data-parallel index, e.g. "
                          "torchtitan's TP x CP degree")
     if request.nproc_per_node is not None:
-        raise UsageError("--stand-ins needs the ranks launched by torchrun: ranks mirage starts itself "
+        raise UsageError(f"{flag} needs the ranks launched by torchrun: ranks mirage starts itself "
                          "(--nproc-per-node) meet at rank 0's store, which waits for every rank of the world, "
                          "stood-in ones included. Fix: drop --nproc-per-node and run torchrun --nnodes=$MIRAGE_NUM_NODES "
                          "--node-rank=$MIRAGE_NODE_RANK --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT ...")
     if request.faults or request.faults_file:
-        raise UsageError("--stand-ins with --fault: a stood-in rank cannot fail on its own. Fix: drop one of them")
+        raise UsageError(f"{flag} with --fault: a stood-in rank cannot fail on its own. Fix: drop one of them")
 
 
 def _validate_timing(request: RunRequest, profile: profiles.Profile) -> None:

@@ -200,8 +200,8 @@ def run_node(request: RunRequest, rdzv_port: int | None, rdzv_timeout: float) ->
         raise UsageError("--isolate-nodes applies to mirage run on one host; across hosts each host is a machine "
                          "of its own already (drop --isolate-nodes)")
     request.isolate_nodes = False
-    if request.stand_ins != 1:
-        raise UsageError("--stand-ins applies to mirage run on one host (it exists to fit a large job on one); "
+    if request.stand_ins != 1 or request.stand_ins_in_node != 1:
+        raise UsageError("--stand-ins and --stand-ins-in-node apply to mirage run on one host (it exists to fit a large job on one); "
                          "across hosts, run every rank")
     validate(request)
     try:
@@ -283,8 +283,9 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
                 emulator["MIRAGE_VIRTUAL_CLOCK"] = "1"
             if request.predict_only:
                 emulator["MIRAGE_PREDICT_ONLY"] = "1"
-            if stand_ins > 1:
+            if stand_ins > 1 or request.stand_ins_in_node > 1:
                 emulator["MIRAGE_STAND_INS"] = str(stand_ins)
+                emulator["MIRAGE_STAND_INS_IN_NODE"] = str(request.stand_ins_in_node)
                 if request.stand_ins_stride:
                     emulator["MIRAGE_STAND_INS_STRIDE"] = str(request.stand_ins_stride)
             if request.timing_tuning:
@@ -327,9 +328,10 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
         emulator.update({"MIRAGE_ISOLATED_NODES": "1"} if namespaces or cluster else {"GLOO_SOCKET_IFNAME": "lo"})
         narrate(f"session {session_id} ({request.num_nodes} node(s) x {gpus} x {profile.torch_name}, "
                 f"{len(processes)} process(es)" + (f", in containers of image {request.image})" if in_image else ")"))
-        if stand_ins > 1:
-            narrate(f"stand-ins: {request.num_nodes} of the job's {request.num_nodes * stand_ins} nodes run, each rank "
-                    f"standing for {stand_ins} data-parallel replicas (itself included)")
+        if stand_ins > 1 or request.stand_ins_in_node > 1:
+            narrate(f"stand-ins: {request.num_nodes} of the job's {request.num_nodes * stand_ins} nodes run"
+                    + (f", 1 of every {request.stand_ins_in_node} ranks of each" if request.stand_ins_in_node > 1 else "")
+                    + f"; each running rank stands for {stand_ins * request.stand_ins_in_node} ranks (itself included)")
 
         def node_environment(node: int, exec_lease: bool = False) -> dict[str, str]:
             place = Placement(node, 0, node * per_node, request.num_nodes * per_node)

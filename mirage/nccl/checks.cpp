@@ -135,16 +135,18 @@ void ProcessGroupNCCL::check_distinct_gpus(const std::vector<at::Tensor>& tensor
   Timing timing{Clock::now() + options_->timeout, options_->timeout, "the communicator's first collective"};
   with_payload().all_gather(to, reinterpret_cast<const char*>(mine), 3, at::kLong, timing);
   std::vector<int64_t> hosts, nodes;
-  // --stand-ins: a stood-in member is on a host of its own, and every member's node is the full
-  // job's (its global rank's, torchrun numbering the ranks node by node)
+  // --stand-ins: a member of a stood-in replica is on a host of its own, a member stood in for on
+  // its node is on its stand-in's host at the GPU as far from its stand-in's as its rank, and
+  // every member's node is the full job's (its global rank's, torchrun numbering the ranks node by node)
   const std::vector<uint64_t> members = stand_ins_map_ ? group_ranks() : std::vector<uint64_t>{};
   const int64_t ranks_per_node = std::max(1, env_int("LOCAL_WORLD_SIZE", 1));
   for (int r = 0; r < size_; ++r) {
     if (stand_ins_map_) {
-      if (const int replica = stand_ins_map_->replica[r]) {
+      if (const int replica = stand_ins_map_->node_replica[r]) {
         all[3 * r] = static_cast<int64_t>(std::hash<std::string>{}(std::to_string(all[3 * r]) + "/" +
                                                                      std::to_string(replica)));
       }
+      all[3 * r + 1] += stand_ins_map_->local_offset[r];
       all[3 * r + 2] = static_cast<int64_t>(members[r]) / ranks_per_node;
     }
     hosts.push_back(all[3 * r]);

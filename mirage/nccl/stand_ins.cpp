@@ -1,7 +1,9 @@
 // Stand-in replicas (mirage run --stand-ins K; docs/stand-in-replicas.md). The job's world has
 // W ranks in K data-parallel replicas, whose index changes every `stride` ranks (W / K: data
 // parallelism outermost); the ranks of replica 0 run, each standing for the K - 1 ranks of the
-// other replicas at its place (their work is the same as its own). A group keeps its full membership:
+// other replicas at its place (their work is the same as its own). With --stand-ins-in-node T,
+// only the first of every T consecutive ranks runs, standing for the rest of its tensor-parallel
+// group too (the same kernels on shards of the same shapes). A group keeps its full membership:
 // the backend reports its full size and the caller's full rank, so FSDP shards into W pieces and
 // the clock costs each collective for every rank and node it spans. Its transport joins the
 // running members only, and this communicator answers for the absent ones, on the assumption
@@ -113,18 +115,22 @@ std::optional<StandInMap> stand_in_map(int rank, int size, const std::vector<uin
   if (!running_world || !*running_world) return std::nullopt;
   const uint64_t running = std::strtoull(running_world, nullptr, 10);
   const uint64_t copies = static_cast<uint64_t>(env_int("MIRAGE_STAND_INS", 1));
-  // The data-parallel index changes every `stride` ranks (runtime/boot.py): rank g is replica
-  // (g / stride) % copies of the running rank with that index 0.
+  // The data-parallel index changes every `stride` ranks (runtime/boot.py), and a node's ranks
+  // are numbered consecutively (torchrun): rank g is data-parallel replica (g / stride) % copies
+  // and the (g % in_node)-th of its tensor-parallel group in its node, and stood in for by the
+  // rank where both are 0.
   const uint64_t stride = static_cast<uint64_t>(env_int("MIRAGE_STAND_INS_STRIDE", static_cast<int>(running)));
+  const uint64_t in_node = static_cast<uint64_t>(env_int("MIRAGE_STAND_INS_IN_NODE", 1));
   const auto global = [&](int member) {
     return global_ranks.empty() ? static_cast<uint64_t>(member) : global_ranks[static_cast<size_t>(member)];
   };
+  const auto node_replica = [&](uint64_t g) { return (g / stride) % copies; };
   StandInMap map;
   map.rank = rank;
   std::vector<int> running_index(static_cast<size_t>(size), -1);
   std::vector<int> copies_of;
   for (int member = 0; member < size; ++member) {
-    if ((global(member) / stride) % copies == 0) {
+    if (node_replica(global(member)) == 0 && global(member) % in_node == 0) {
       running_index[static_cast<size_t>(member)] = static_cast<int>(copies_of.size());
       copies_of.push_back(0);
     }
@@ -132,21 +138,25 @@ std::optional<StandInMap> stand_in_map(int rank, int size, const std::vector<uin
   if (static_cast<int>(copies_of.size()) == size) return std::nullopt;  // every member runs: a plain group
   for (int member = 0; member < size; ++member) {
     const uint64_t g = global(member);
-    const uint64_t stand_in = g / (stride * copies) * stride * copies + g % stride;
+    const uint64_t stand_in = g - node_replica(g) * stride - g % in_node;
     int index = -1;
     for (int other = 0; other < size && index < 0; ++other) {
       if (global(other) == stand_in) index = running_index[static_cast<size_t>(other)];
     }
     TORCH_CHECK(index >= 0, "mirage --stand-ins: rank ", g, " of a group is stood in for by rank ", stand_in,
                 ", which is not in the group: the group's members are not whole data-parallel replicas (the "
-                "data-parallel index must change every --stand-ins-stride ranks); run without --stand-ins");
+                "data-parallel index must change every --stand-ins-stride ranks) or, with --stand-ins-in-node, whole "
+                "tensor-parallel groups of consecutive ranks; run without them");
     map.stand_in.push_back(index);
-    map.replica.push_back(static_cast<int>((g / stride) % copies));
+    map.node_replica.push_back(static_cast<int>(node_replica(g)));
+    map.local_offset.push_back(static_cast<int>(g % in_node));
+    map.replica.push_back(static_cast<int>(node_replica(g) * in_node + g % in_node));
     ++copies_of[static_cast<size_t>(index)];
   }
   for (int count : copies_of) {
     TORCH_CHECK(count == copies_of[0], "mirage --stand-ins: the running members of a group stand for unequal numbers "
-                "of ranks; the group's members are not whole data-parallel replicas; run without --stand-ins");
+                "of ranks; the group's members are not whole data-parallel replicas or tensor-parallel groups; run "
+                "without --stand-ins and --stand-ins-in-node");
   }
   map.running_rank = running_index[static_cast<size_t>(rank)];
   map.running_size = static_cast<int>(copies_of.size());

@@ -211,15 +211,17 @@ std::unique_ptr<Communicator> connect_across_nodes(const c10::intrusive_ptr<c10d
 // transfers still go through `transport`. `transport` keeps the state (failures, agreed ready
 // time) and must outlive the result.
 std::unique_ptr<Communicator> without_payload(Communicator& transport);
-// --stand-ins (stand_ins.cpp): a group's members, of which those of global rank >= the running
-// world (MIRAGE_STAND_INS_RUNNING_WORLD) are stood in for by the running member of global rank
-// (theirs mod the running world). Null when every member runs.
+// --stand-ins, --stand-ins-in-node (stand_ins.cpp): a group's members, of which those of a
+// data-parallel replica other than 0, or not first in their tensor-parallel group on their node,
+// are stood in for by the running member at their place. Null when every member runs.
 struct StandInMap {
   int rank = 0;                // the caller's full group rank
   int running_rank = 0;       // its rank among the running members (the transport's)
   int running_size = 0;
   std::vector<int> stand_in;  // per member: the running rank that answers for it (its own if it runs)
-  std::vector<int> replica;   // per member: which replica it is (0: it runs)
+  std::vector<int> replica;   // per member: which of its stand-in's copies it is (0: it runs)
+  std::vector<int> node_replica;  // per member: its data-parallel replica (0: on a running node)
+  std::vector<int> local_offset;  // per member: its distance from its stand-in on their node
 };
 std::optional<StandInMap> stand_in_map(int rank, int size, const std::vector<uint64_t>& global_ranks);
 // The group's collectives over its full membership, through `running` (the running members'

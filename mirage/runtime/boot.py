@@ -39,17 +39,24 @@ def _export_for_shim() -> None:
 
 
 def _join_the_full_world() -> None:
-    """--stand-ins K: a torchrun worker is told its place in the full job, as torchrun on the full
-    job would tell it. The job's ranks form K data-parallel replicas whose index changes every
-    MIRAGE_STAND_INS_STRIDE ranks (default: the running world, data parallelism outermost); the
-    running ranks are replica 0's, in order. So: WORLD_SIZE and ROLE_WORLD_SIZE are K times the
-    running ranks, GROUP_WORLD_SIZE K times the running nodes, and RANK, ROLE_RANK and GROUP_RANK
-    the running rank's place among all. The running world and the stride are kept for the emulated
-    NCCL (MIRAGE_STAND_INS_RUNNING_WORLD marks the rewrite as done for the worker's own children).
+    """--stand-ins K / --stand-ins-in-node T: a torchrun worker is told its place in the full job,
+    as torchrun on the full job would tell it. The job's ranks form K data-parallel replicas whose
+    index changes every MIRAGE_STAND_INS_STRIDE ranks (default: the running world, data
+    parallelism outermost); the running nodes are replica 0's, in order. So: WORLD_SIZE and
+    ROLE_WORLD_SIZE are K times torchrun's, GROUP_WORLD_SIZE K times the running nodes, and RANK,
+    ROLE_RANK and GROUP_RANK the worker's place among all. A worker whose local rank is not a
+    multiple of T is stood in for by the one that is (its tensor-parallel group's first), so it
+    exits here, before the program starts, with 0 as torchrun's agent expects of a finished worker.
+    The running world and the stride are kept for the emulated NCCL
+    (MIRAGE_STAND_INS_RUNNING_WORLD marks the rewrite as done for the worker's own children).
     torchrun's agent (no TORCHELASTIC_RUN_ID) keeps the running world its rendezvous needs."""
     copies = int(os.environ.get("MIRAGE_STAND_INS", "1"))
-    if copies == 1 or "TORCHELASTIC_RUN_ID" not in os.environ or "MIRAGE_STAND_INS_RUNNING_WORLD" in os.environ:
+    in_node = int(os.environ.get("MIRAGE_STAND_INS_IN_NODE", "1"))
+    if (copies == 1 and in_node == 1) or "TORCHELASTIC_RUN_ID" not in os.environ \
+            or "MIRAGE_STAND_INS_RUNNING_WORLD" in os.environ:
         return
+    if int(os.environ["LOCAL_RANK"]) % in_node:
+        os._exit(0)
     running = int(os.environ["WORLD_SIZE"])
     stride = int(os.environ.get("MIRAGE_STAND_INS_STRIDE") or running)
     rank = int(os.environ["RANK"])

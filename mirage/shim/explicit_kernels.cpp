@@ -70,7 +70,12 @@ static at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool non_block
     record_step([into = graph_reference(self), from = graph_reference(src)]() mutable { into.copy_(from); });
     return self;
   }
-  if (predict_only() && self.is_cuda() && src.is_cuda() && tl_kernel_depth == 0) {  // device to device: time only
+  // --predict-only: a copy to the device moves no bytes unless they are integers (what steers the
+  // program, README): device to device, and floating-point data from the host, whose values no
+  // kernel would read (kernels run only on integer inputs) and the host reads back as 0. Its
+  // pages of device memory stay untouched.
+  if (predict_only() && self.is_cuda() && (src.is_cuda() || is_phantom_dtype(self.scalar_type())) &&
+      tl_kernel_depth == 0) {
     clock_copy(self, src, non_blocking);
     return self;
   }

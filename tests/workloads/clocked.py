@@ -164,12 +164,13 @@ def allreduce() -> None:
 
 
 def phantom() -> None:
-    """Two ranks all-reduce a buffer each filled from the host with its rank + 1 (a host copy
-    moves its bytes in every mode); prints the all_reduce's predicted time, what the buffer
-    holds after it (as a float, and its bits as an int32, which the host reads for real under
-    --predict-only), a loss no kernel computed, what all_gather_object (pickles in uint8
-    tensors) gathered, what recv_object_list received (sizes a kernel concatenates and sums on
-    the device), and a sum of integers on the device."""
+    """Two ranks all-reduce a buffer each filled from the host with its rank + 1, written as its
+    int32 bits (a host copy of integers moves its bytes in every mode); prints the all_reduce's
+    predicted time, what the buffer holds after it (as a float, and its bits as an int32, which
+    the host reads for real under --predict-only), what a host copy of floats left in a buffer of
+    7s (its bits), a loss no kernel computed, what all_gather_object (pickles in uint8 tensors)
+    gathered, what recv_object_list received (sizes a kernel concatenates and sums on the
+    device), and a sum of integers on the device."""
     dist, rank, _, t = two_ranks()
     objects = [None, None]
     dist.all_gather_object(objects, {"rank": rank})
@@ -183,7 +184,9 @@ def phantom() -> None:
     stale = torch.ones(4096, dtype=torch.bool).cuda()  # from the host: True in every mode
     del stale  # its block is what the mask below is likely given
     mask_any = bool((t[:4096] > 1e9).any())  # no element is; under --predict-only a placeholder 0
-    t.copy_(torch.full((2**20,), float(rank + 1)))
+    t.view(torch.int32).copy_(torch.full((2**20,), float(rank + 1)).view(torch.int32))
+    sevens = torch.full((1024,), 7, dtype=torch.int32, device="cpu").cuda()
+    sevens.view(torch.float32).copy_(torch.full((1024,), 5.0))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     dist.all_reduce(t)
@@ -191,7 +194,8 @@ def phantom() -> None:
     torch.cuda.synchronize()
     loss = (t.view(1024, 1024) @ t.view(1024, 1024)).mean()
     print(json.dumps({"rank": rank, "all_reduce_ms": start.elapsed_time(end), "first": t[0].item(),
-                      "first_bits": t.view(torch.int32)[0].item(), "loss": loss.item(), "loss_on_host": loss.cpu().tolist(),
+                      "first_bits": t.view(torch.int32)[0].item(),
+                      "host_float_copy_bits": sevens[0].item(), "loss": loss.item(), "loss_on_host": loss.cpu().tolist(),
                       "objects": objects, "received": received[0] and received[0]["from"], "integer_sum": integer_sum,
                       "mask_any": mask_any}))
     dist.destroy_process_group()
