@@ -455,9 +455,9 @@ def test_nccl_surface_library_code_meets():
     assert "[0] surface_ok" in result.stdout
 
 
-def refusals_on_two_gpus(tmp_path, attempt: str) -> subprocess.CompletedProcess:
-    """Runs `attempt` (code with `rank`, `torch` and `dist` at hand) on 2 ranks over nccl; a
-    DistBackendError it raises is printed as `refused: <message>`."""
+def refusals_on_two_gpus(tmp_path, attempt: str, *flags: str) -> subprocess.CompletedProcess:
+    """Runs `attempt` (code with `rank`, `torch` and `dist` at hand) on 2 ranks over nccl, under
+    `mirage run` with `flags`; a DistBackendError it raises is printed as `refused: <message>`."""
     script = tmp_path / "attempt.py"
     script.write_text(
         "import torch, torch.distributed as dist\n"
@@ -465,7 +465,8 @@ def refusals_on_two_gpus(tmp_path, attempt: str) -> subprocess.CompletedProcess:
         "try:\n" + "".join(f"    {line}\n" for line in attempt.splitlines()) +
         "except dist.DistBackendError as error:\n    print('refused:', error)\n"
         "dist.destroy_process_group()\n")
-    result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", str(script), timeout=120)
+    result = mirage("run", *flags, "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", str(script),
+                    timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -498,3 +499,17 @@ def test_a_send_and_receive_of_different_sizes_fail_the_receive_and_a_send_not_h
                          "matched a receive of another size there" in line for line in lines)
     handed_over = numel == 10
     assert sender_refused != handed_over and ("[0] sender done" in lines) == handed_over, result.stdout
+
+
+def test_under_predict_only_a_send_and_receive_of_different_sizes_still_fail_the_receive(tmp_path):
+    """--predict-only sends a floating-point message's size instead of its bytes
+    (mirage/nccl/no_payload.cpp): the receive still fails naming both sizes; the send, 8 bytes
+    long now, is always handed over."""
+    result = refusals_on_two_gpus(tmp_path, (
+        "if rank == 0:\n    dist.send(torch.ones(1_000_000, device='cuda'), 1); print('sender done')\n"
+        "else:\n    dist.recv(torch.zeros(1_000_001, device='cuda'), 0)"), "--timing", "--predict-only")
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("[1] refused: ") and ": a receive of 4000004 bytes from group rank 0 matched a send of "
+               "4000000 bytes (a send and its recv must have the same size, as with NCCL)" in line for line in lines), \
+        result.stdout
+    assert "[0] sender done" in lines, result.stdout

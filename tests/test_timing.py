@@ -241,6 +241,8 @@ def test_predict_only_collectives_move_no_payload_and_take_the_full_runs_time():
     # a host copy of floating-point data moves its bytes in a full run, none under --predict-only
     assert [full[r]["host_float_copy_bits"] for r in (0, 1)] == [struct.unpack("<i", struct.pack("<f", 5.0))[0]] * 2
     assert [predicted[r]["host_float_copy_bits"] for r in (0, 1)] == [7, 7]
+    # a send of floating-point data carries its bytes in a full run, its size only under --predict-only
+    assert full[1]["received_float_bits"] == 5 and predicted[1]["received_float_bits"] == 8
     # what the host reads of floating-point data no kernel computed is the placeholder 0 (README)
     assert [predicted[r][key] for r in (0, 1) for key in ("first", "loss", "loss_on_host")] == [0.0] * 6
     assert full[0]["loss"] == full[0]["loss_on_host"] == 9.0 * 1024

@@ -6,17 +6,18 @@
 // stream's ready time, so the collective starts, on the predicted timeline, when its last rank
 // reaches it. Its outputs keep what they held. Collectives of integers and bools still move
 // their bytes: they carry what steers the program rather than the model's data (the pickles and
-// sizes of all_gather_object and broadcast_object_list, token counts), and are small. So do
-// point-to-point transfers (their header carries the sender's clock, and a send and receive of
-// different sizes fail at the receiver).
+// sizes of all_gather_object and broadcast_object_list, token counts), and are small.
+// Point-to-point transfers of floating-point data (pipeline stages' activations) send their
+// size instead of their bytes (point_to_point.cpp): the header still carries the sender's clock,
+// and a send and receive of different sizes still fail at the receiver.
 
 #include "transport.h"
 
 namespace mirage::nccl {
-namespace {
 
-// Whether a collective of `dtype` moves its bytes here: integers and bools (see above).
 bool moves_bytes(at::ScalarType dtype) { return !at::isFloatingType(dtype) && !at::isComplexType(dtype); }
+
+namespace {
 
 class WithoutPayload final : public Communicator {
  public:

@@ -32,6 +32,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupNCCL::point_to_point(std::vector<at::
   if (measure_durations_) p.work->time_it();
   p.transfer = Transfer{sending, transport_peer(peer), data(t), static_cast<size_t>(nbytes(t)), Clock::now() + timeout,
                         timeout};
+  if (shim_clock().predict_only && !moves_bytes(t.scalar_type())) {  // no_payload.cpp: its size, not its bytes
+    p.own_bytes = p.transfer.bytes;
+    p.size_only = std::make_unique<uint64_t>(p.own_bytes);
+    p.transfer.data = reinterpret_cast<char*>(p.size_only.get());
+    p.transfer.bytes = sizeof(uint64_t);
+  }
   if (shim_clock().on && t.is_cuda()) clock_transfer(p, t, peer, sending);
   keep_trace(p.record);
   record(p.record, true);
@@ -68,6 +74,14 @@ void ProcessGroupNCCL::run_worker() {
     active[i].record.state = "completed";
     finish_trace(active[i].record);
     record(active[i].record, false);
+    if (done.size_only && !done.transfer.send && *done.size_only != done.own_bytes) {
+      const c10::DistBackendError mismatch(c10::SourceLocation{__func__, __FILE__, __LINE__},
+          "point-to-point " + describe_work(done.record) + ": a receive of " + std::to_string(done.own_bytes) +
+          " bytes from group rank " +
+          std::to_string(done.record.peer) + " matched a send of " + std::to_string(*done.size_only) +
+          " bytes (a send and its recv must have the same size, as with NCCL)");
+      return active[i].work->complete(on_failure(active[i].record, mismatch, false));
+    }
     active[i].work->complete();
   };
   while (true) {

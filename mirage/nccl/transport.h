@@ -211,6 +211,9 @@ std::unique_ptr<Communicator> connect_across_nodes(const c10::intrusive_ptr<c10d
 // transfers still go through `transport`. `transport` keeps the state (failures, agreed ready
 // time) and must outlive the result.
 std::unique_ptr<Communicator> without_payload(Communicator& transport);
+// --predict-only: whether data of `dtype` moves its bytes: integers and bools, which steer the
+// program; floating-point data is what no kernel computed.
+bool moves_bytes(at::ScalarType dtype);
 // --stand-ins, --stand-ins-in-node (stand_ins.cpp): a group's members, of which those of a
 // data-parallel replica other than 0, or not first in their tensor-parallel group on their node,
 // are stood in for by the running member at their place. Null when every member runs.
