@@ -88,6 +88,15 @@ CASES = {
                                    ["--parallelism.tensor_parallel_degree", "8", "--parallelism.pipeline_parallel_degree",
                                     "8", "--parallelism.pipeline_parallel_schedule", "1F1B"],
                                    stand_ins=8, stand_ins_stride=8, stand_ins_in_node=8, like_for_like=False),
+    "405b-fsdp8-tp8-pp8-512-interleaved": Case("Table 5 (405B, 512 GPUs): FSDP 8 x TP 8 x PP 8, interleaved 1F1B, "
+                                               "full AC; published with torch.compile, Float8 and AsyncTP, run here "
+                                               "without them", 64, "405B", 32, 8192,
+                                               ["--activation_checkpoint.mode", "full"], 128, 72.7,
+                                               ["--parallelism.tensor_parallel_degree", "8",
+                                                "--parallelism.pipeline_parallel_degree", "8",
+                                                "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+                                               stand_ins=8, stand_ins_stride=8, stand_ins_in_node=8,
+                                               like_for_like=False),
     "70b-fsdp32-tp8-256-in-node": Case("Table 4's job as 70b-fsdp32-tp8-256, each running rank standing for its TP "
                                        "group too (--stand-ins-in-node 8): the check of that flag at scale", 32, "70B",
                                        16, 8192, ["--activation_checkpoint.mode", "full"], 829, 71.9,
