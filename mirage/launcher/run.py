@@ -161,7 +161,7 @@ def _finish_timing(request: RunRequest, profile: profiles.Profile, directory: Pa
     if not request.timing:
         return None
     reports = timing_report.collect(directory)
-    report = timing_report.build(reports, profile)
+    report = timing_report.build(reports, profile, request.stand_ins * request.stand_ins_in_node)
     write_or_discard(sys.stderr, (timing_report.render(report) + "\n").encode())
     if request.trace:
         written: list[int] = []

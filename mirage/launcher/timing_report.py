@@ -37,9 +37,10 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def build(reports: list[dict], profile: profiles.Profile) -> dict:
+def build(reports: list[dict], profile: profiles.Profile, stands_for: int = 1) -> dict:
     """Per rank: steps, median and spread of the step time, the median step's split, MFU
-    (model FLOPs per second over the profile's dense bf16 peak), peak memory; and the job's."""
+    (model FLOPs per second over the profile's dense bf16 peak), peak memory; and the job's,
+    whose GPUs count the ranks each running rank stands for (`stands_for`, with --stand-ins)."""
     peak_flops = profile.peak_tflops.get("bf16", max(profile.peak_tflops.values(), default=1.0)) * 1e12
     ranks = []
     for report in reports:
@@ -62,7 +63,7 @@ def build(reports: list[dict], profile: profiles.Profile) -> dict:
     job = {}
     if ranks:
         slowest = max(ranks, key=lambda r: r["step_ms"])
-        job = {"step_ms": slowest["step_ms"], "slowest_rank": slowest["rank"],
+        job = {"gpus": len(ranks) * stands_for, "step_ms": slowest["step_ms"], "slowest_rank": slowest["rank"],
                "step_p10_ms": min(r["step_p10_ms"] for r in ranks),
                "step_p90_ms": max(r["step_p90_ms"] for r in ranks),
                "mfu": statistics.mean(r["mfu"] for r in ranks),
@@ -89,7 +90,8 @@ def render(report: dict) -> str:
                      f"{split['collective']:<8.3f} {split['exposed']:<8.3f} {split['idle']:<8.3f} "
                      f"{100 * r['mfu']:5.1f}%  {_gib(peak)}")
     job = report["job"]
-    lines.append(f"  job: {job['step_ms']:.3f} ms per step (slowest rank {job['slowest_rank']}; "
+    stood_in = f" on {job['gpus']} GPUs ({len(report['ranks'])} ran)" if job["gpus"] != len(report["ranks"]) else ""
+    lines.append(f"  job{stood_in}: {job['step_ms']:.3f} ms per step (slowest rank {job['slowest_rank']}; "
                  f"p10-p90 {job['step_p10_ms']:.3f}-{job['step_p90_ms']:.3f}), MFU {100 * job['mfu']:.1f}%, "
                  f"peak memory {_gib(job['peak_allocated'])} allocated / {_gib(job['peak_reserved'])} reserved per GPU; "
                  f"steps from {report['ranks'][0]['steps_from']} steps")

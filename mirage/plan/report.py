@@ -51,7 +51,7 @@ def _row(point: Point, outcome: Outcome, price_per_gpu_hour: float | None) -> Ro
         return row
     timing = outcome.summary["timing"]
     job = timing["job"]
-    row.gpus = len(timing["ranks"])
+    row.gpus = job["gpus"]  # the job's: with --stand-ins, more than ran
     row.step_ms, row.mfu, row.peak_bytes = job["step_ms"], job["mfu"], job["peak_reserved"]
     row.steps_per_s = 1e3 / row.step_ms
     if point.tokens_per_step is not None:
