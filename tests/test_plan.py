@@ -159,6 +159,17 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, workload, args, fix
     assert not record.exists() and not (tmp_path / "cache").exists()
 
 
+def test_a_python_without_torch_is_refused_naming_the_install(tmp_path):
+    """The plan's cache key names the installed torch: without one (`python -S` hides
+    site-packages) the plan says what to install, as `mirage run` does, instead of a traceback."""
+    refused = subprocess.run([sys.executable, "-S", "-m", "mirage", "plan", "--cache", str(tmp_path / "cache"),
+                              "--axis", "a={1,2}", "--", "echo", "{a}"], cwd=REPO, capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode == 2, refused.stderr
+    assert "torch is not installed" in refused.stderr and "pip install torch==2.13.0" in refused.stderr
+    assert "Traceback" not in refused.stderr and not (tmp_path / "cache").exists()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_a_killed_plan_leaves_no_session_behind_and_keeps_its_cache(tmp_path, workload, sig):
     """The plan killed (SIGKILL: no handler; SIGTERM: it stops its runs) while the second point's

@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from mirage.launcher.request import UsageError, check_torch_is_cpu_build
 from mirage.plan import grid, picture, report, runner
 
 DESCRIPTION = """\
@@ -119,6 +120,10 @@ def main(argv: list[str], plan_parser: argparse.ArgumentParser, run_parser: argp
     except grid.GridError as err:
         return _usage_error(str(err))
 
+    try:  # the cache key names the torch it runs on; without torch no point could run either
+        check_torch_is_cpu_build()
+    except UsageError as err:
+        return _usage_error(str(err))
     cache = Path(args.cache) if args.cache else runner.default_cache()
     try:
         outcomes = runner.run_points(points, cache, args.jobs or runner.default_jobs(), args.retry_failed)
