@@ -60,6 +60,7 @@ class Case:
     stand_ins_stride: int = 0  # --stand-ins-stride (0: data parallelism outermost)
     stand_ins_in_node: int = 1  # --stand-ins-in-node: 1 of every this many ranks of a running node runs
     like_for_like: bool = True  # False: the published run used what this one does not (named in `row`)
+    entry: tuple[str, ...] = ("-m", "torchtitan.train")  # how torchrun starts the trainer
 
     def model_parallel(self) -> int:
         """The GPUs one model replica spans (torchtitan's non-data-parallel size): the product of
@@ -69,6 +70,7 @@ class Case:
         return math.prod(degrees)
 
 
+LLAMA2 = (str(Path(__file__).resolve().parent / "torchtitan_llama2.py"),)  # Llama 2 flavors, then torchtitan.train
 SELECTIVE_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
 CASES = {
     "8b-fsdp-8": Case("Table 1 (8B, 8 GPUs): FSDP", 1, "8B", 2, 8192, SELECTIVE_OP, 5762, 82.4),
@@ -108,6 +110,22 @@ CASES = {
                                   stand_ins=8),
     "8b-fsdp-64-a100-op-stand-ins": Case("performance.md (8B, 64 A100): selective op, 1 node standing for 8", 8, "8B",
                                          1, 8192, SELECTIVE_OP, 2973, 0.0, profile="a100", stand_ins=8),
+    # the same page's Llama 2 table: torchtitan's llama2 model of then, as llama3 flavors (bench/torchtitan_llama2.py)
+    "llama2-13b-fsdp-64-a100-none": Case("performance.md (Llama 2 13B, 64 A100): no AC", 8, "llama2_13B", 2, 4096,
+                                         ["--activation_checkpoint.mode", "none"], 2162, 0.0, profile="a100",
+                                         stand_ins=8, entry=LLAMA2),
+    "llama2-13b-fsdp-64-a100-layer": Case("performance.md (Llama 2 13B, 64 A100): selective layer", 8, "llama2_13B", 2,
+                                          4096, ["--activation_checkpoint.mode", "selective",
+                                                 "--activation_checkpoint.selective_ac_option", "2"], 1914, 0.0,
+                                          profile="a100", stand_ins=8, entry=LLAMA2),
+    "llama2-13b-fsdp-64-a100-op": Case("performance.md (Llama 2 13B, 64 A100): selective op", 8, "llama2_13B", 2, 4096,
+                                       SELECTIVE_OP, 1904, 0.0, profile="a100", stand_ins=8, entry=LLAMA2),
+    "llama2-70b-fsdp-64-a100-op": Case("performance.md (Llama 2 70B, 64 A100): selective op, local batch 1", 8,
+                                       "llama2_70B", 1, 4096, SELECTIVE_OP, 355, 0.0, profile="a100", stand_ins=8,
+                                       entry=LLAMA2),
+    "llama2-70b-fsdp-64-a100-full": Case("performance.md (Llama 2 70B, 64 A100): full AC, local batch 2", 8,
+                                         "llama2_70B", 2, 4096, ["--activation_checkpoint.mode", "full"], 353, 0.0,
+                                         profile="a100", stand_ins=8, entry=LLAMA2),
     "70b-fsdp-64-a100-full": Case("performance.md (70B, 64 A100): full AC", 8, "70B", 1, 8192,
                                   ["--activation_checkpoint.mode", "full"], 331, 0.0, profile="a100"),
 }
@@ -115,7 +133,7 @@ GPUS_PER_NODE = 8
 
 
 def torchrun(case: Case, assets: Path, dump: Path, steps: int) -> list[str]:
-    titan = ["-m", "torchtitan.train", "--model.name", "llama3", "--model.flavor", case.flavor,
+    titan = [*case.entry, "--model.name", "llama3", "--model.flavor", case.flavor,
              *torchtitan_setup.data_flags(assets), "--training.local_batch_size", str(case.local_batch),
              "--training.seq_len", str(case.seq_len), "--training.steps", str(steps),
              "--parallelism.data_parallel_shard_degree", "-1", *case.parallelism, *case.activation_checkpoint,
