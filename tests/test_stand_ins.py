@@ -74,7 +74,8 @@ def test_stand_ins_in_node_stand_for_the_tensor_parallel_group_too(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--timing", "--predict-only", "--gpus-per-node", "4", "--stand-ins-in-node", "3"],
      "--stand-ins-in-node 3 must divide --gpus-per-node 4"),
-    (["--timing", "--gpus-per-node", "2", "--stand-ins-in-node", "2"], "--stand-ins-in-node needs --timing --predict-only"),
+    (["--timing", "--gpus-per-node", "2", "--stand-ins-in-node", "2"],
+     "--stand-ins-in-node needs --timing --predict-only"),
 ])
 def test_stand_ins_in_node_refused_where_they_cannot_stand(flags: list[str], message: str):
     result = mirage("run", *flags, "--", "python", "-c", "print('ran')")

@@ -201,7 +201,8 @@ def run_node(request: RunRequest, rdzv_port: int | None, rdzv_timeout: float) ->
                          "of its own already (drop --isolate-nodes)")
     request.isolate_nodes = False
     if request.stand_ins != 1 or request.stand_ins_in_node != 1:
-        raise UsageError("--stand-ins and --stand-ins-in-node apply to mirage run on one host (it exists to fit a large job on one); "
+        raise UsageError("--stand-ins and --stand-ins-in-node apply to mirage run on one host (they exist to fit a "
+                         "large job on one); "
                          "across hosts, run every rank")
     validate(request)
     try:
@@ -329,9 +330,10 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
         narrate(f"session {session_id} ({request.num_nodes} node(s) x {gpus} x {profile.torch_name}, "
                 f"{len(processes)} process(es)" + (f", in containers of image {request.image})" if in_image else ")"))
         if stand_ins > 1 or request.stand_ins_in_node > 1:
+            in_node = request.stand_ins_in_node
             narrate(f"stand-ins: {request.num_nodes} of the job's {request.num_nodes * stand_ins} nodes run"
-                    + (f", 1 of every {request.stand_ins_in_node} ranks of each" if request.stand_ins_in_node > 1 else "")
-                    + f"; each running rank stands for {stand_ins * request.stand_ins_in_node} ranks (itself included)")
+                    + (f", 1 of every {in_node} ranks of each" if in_node > 1 else "")
+                    + f"; each running rank stands for {stand_ins * in_node} ranks (itself included)")
 
         def node_environment(node: int, exec_lease: bool = False) -> dict[str, str]:
             place = Placement(node, 0, node * per_node, request.num_nodes * per_node)

@@ -168,9 +168,10 @@ def phantom() -> None:
     int32 bits (a host copy of integers moves its bytes in every mode); prints the all_reduce's
     predicted time, what the buffer holds after it (as a float, and its bits as an int32, which
     the host reads for real under --predict-only), what a host copy of floats left in a buffer of
-    7s (its bits), what rank 1 received of floats (the bits of 5s) into a buffer of 8s, a loss no kernel computed, what all_gather_object (pickles in uint8 tensors)
-    gathered, what recv_object_list received (sizes a kernel concatenates and sums on the
-    device), and a sum of integers on the device."""
+    7s (its bits), what rank 1 received as floats (5s' bits) into a buffer of 8s, a loss no
+    kernel computed, what all_gather_object (pickles in uint8 tensors) gathered, what
+    recv_object_list received (sizes a kernel concatenates and sums on the device), and a sum of
+    integers on the device."""
     dist, rank, _, t = two_ranks()
     objects = [None, None]
     dist.all_gather_object(objects, {"rank": rank})
@@ -200,7 +201,8 @@ def phantom() -> None:
     loss = (t.view(1024, 1024) @ t.view(1024, 1024)).mean()
     print(json.dumps({"rank": rank, "all_reduce_ms": start.elapsed_time(end), "first": t[0].item(),
                       "first_bits": t.view(torch.int32)[0].item(),
-                      "host_float_copy_bits": sevens[0].item(), "received_float_bits": eights[0].item(), "loss": loss.item(), "loss_on_host": loss.cpu().tolist(),
+                      "host_float_copy_bits": sevens[0].item(), "received_float_bits": eights[0].item(),
+                      "loss": loss.item(), "loss_on_host": loss.cpu().tolist(),
                       "objects": objects, "received": received[0] and received[0]["from"], "integer_sum": integer_sum,
                       "mask_any": mask_any}))
     dist.destroy_process_group()
