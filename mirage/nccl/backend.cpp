@@ -119,7 +119,7 @@ std::vector<uint64_t> ProcessGroupNCCL::group_ranks() const {
 
 int ProcessGroupNCCL::transport_peer(int peer) const {
   if (!stand_ins_map_) return peer;
-  TORCH_CHECK(stand_ins_map_->replica[peer] == 0, "mirage --stand-ins: a send or receive with rank ",
+  TORCH_CHECK(stand_ins_map_->runs[peer], "mirage --stand-ins: a send or receive with rank ",
               group_ranks()[peer], ", which is stood in for (not running); point-to-point peers must be in the "
               "running replica (pipeline stages are; data-parallel peers, and with --stand-ins-in-node the other "
               "ranks of a tensor-parallel group, are not). Where the data-parallel index is not the outermost, "

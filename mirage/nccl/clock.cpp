@@ -110,7 +110,7 @@ void ProcessGroupNCCL::clock_receive_end(Pending& done, int64_t sender_clock) {
   const int64_t stream = p2p_stream(done.record.peer);
   done.work->set_predicted_end(done.clock_device, stream,
                                shim_clock().collective(done.clock_device, stream, start, done.cost_ns, "nccl:recv",
-                                                       static_cast<int64_t>(done.transfer.bytes)));
+                                                       static_cast<int64_t>(done.own_bytes)));
 }
 
 }  // namespace mirage::nccl

@@ -32,8 +32,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupNCCL::point_to_point(std::vector<at::
   if (measure_durations_) p.work->time_it();
   p.transfer = Transfer{sending, transport_peer(peer), data(t), static_cast<size_t>(nbytes(t)), Clock::now() + timeout,
                         timeout};
+  p.own_bytes = p.transfer.bytes;
   if (shim_clock().predict_only && !moves_bytes(t.scalar_type())) {  // no_payload.cpp: its size, not its bytes
-    p.own_bytes = p.transfer.bytes;
     p.size_only = std::make_unique<uint64_t>(p.own_bytes);
     p.transfer.data = reinterpret_cast<char*>(p.size_only.get());
     p.transfer.bytes = sizeof(uint64_t);

@@ -219,10 +219,10 @@ class ProcessGroupNCCL final : public c10d::Backend {
     Transfer transfer;
     int clock_device = -1;  // clocked mode: where, when ready and for how long
     int64_t ready_ns = 0, cost_ns = 0;
+    uint64_t own_bytes = 0;  // the tensor's (what the timeline reports)
     // --predict-only, floating-point data: the transfer carries this cell (the size, sent, or
-    // the sender's, received) instead of the tensor's `own_bytes`
+    // the sender's, received) instead of the tensor's bytes
     std::unique_ptr<uint64_t> size_only;
-    uint64_t own_bytes = 0;
   };
 
   // clock.cpp

@@ -53,12 +53,12 @@ class WithStandIns final : public Communicator {
                   const Timing& timing) override {
     std::vector<char*> running_outs(running_.size());
     for (size_t member = 0; member < outs.size(); ++member) {
-      if (map_.replica[member] == 0) running_outs[map_.stand_in[member]] = outs[member];
+      if (map_.runs[member]) running_outs[map_.stand_in[member]] = outs[member];
     }
     running_.all_gather(running_outs, in, numel, dtype, timing);
     const size_t bytes = static_cast<size_t>(numel) * at::elementSize(dtype);
     for (size_t member = 0; member < outs.size(); ++member) {
-      if (map_.replica[member] != 0) std::memcpy(outs[member], running_outs[map_.stand_in[member]], bytes);
+      if (!map_.runs[member]) std::memcpy(outs[member], running_outs[map_.stand_in[member]], bytes);
     }
   }
   void reduce_scatter(char* out, const char* in, int64_t numel, at::ScalarType dtype, const Reduction& reduction,
@@ -150,7 +150,7 @@ std::optional<StandInMap> stand_in_map(int rank, int size, const std::vector<uin
     map.stand_in.push_back(index);
     map.node_replica.push_back(static_cast<int>(node_replica(g)));
     map.local_offset.push_back(static_cast<int>(g % in_node));
-    map.replica.push_back(static_cast<int>(node_replica(g) * in_node + g % in_node));
+    map.runs.push_back(stand_in == g);
     ++copies_of[static_cast<size_t>(index)];
   }
   for (int count : copies_of) {

@@ -222,7 +222,7 @@ struct StandInMap {
   int running_rank = 0;       // its rank among the running members (the transport's)
   int running_size = 0;
   std::vector<int> stand_in;  // per member: the running rank that answers for it (its own if it runs)
-  std::vector<int> replica;   // per member: which of its stand-in's copies it is (0: it runs)
+  std::vector<char> runs;     // per member: whether it runs (else its stand-in answers for it)
   std::vector<int> node_replica;  // per member: its data-parallel replica (0: on a running node)
   std::vector<int> local_offset;  // per member: its distance from its stand-in on their node
 };
