@@ -46,13 +46,17 @@ def loop(device: str, steps: int) -> None:
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
 
+    def finish() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
     for _ in range(5):
         step()
-    torch.cuda.synchronize() if device == "cuda" else None
+    finish()
     start = time.perf_counter()
     for _ in range(steps):
         step()
-    torch.cuda.synchronize() if device == "cuda" else None
+    finish()
     print(f"STEP_MS {(time.perf_counter() - start) / steps * 1e3}", flush=True)
 
 

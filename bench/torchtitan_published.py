@@ -19,7 +19,10 @@ gives (local batch x sequence length / step time), the memory torchtitan's own m
 prints (its peak reserved, the published column), and their errors against the published row.
 Nothing is fitted to these rows. Cases of 128 GPUs and more run with `--stand-ins` (one node's
 ranks standing for the data-parallel replicas; docs/stand-in-replicas.md), and
-8b-fsdp-64-a100-op-stand-ins checks that against the full 64-rank run of 8b-fsdp-64-a100-op.
+8b-fsdp-64-a100-op-stand-ins checks that against the full 64-rank run of 8b-fsdp-64-a100-op
+(70b-fsdp32-tp8-256-in-node checks --stand-ins-in-node against 70b-fsdp32-tp8-256). The Llama 2
+rows of docs/performance.md run torchtitan's trainer with Llama 2's shapes as llama3 flavors
+(bench/torchtitan_llama2.py).
 Prints a table; the figures go to docs/benchmarks/ (record.py).
 """
 
