@@ -277,7 +277,10 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
             emulator["MIRAGE_LAZY_DEVICE_MEMORY"] = "1"
         if request.timing:
             timing_dir.mkdir(mode=0o700)
-            emulator.update({"MIRAGE_TIMING": "1", "MIRAGE_TIMING_DIR": str(timing_dir)})
+            # MIRAGE_CLOCK_EPOCH_NS: where predicted time 0 lies on the wall clock, one for the
+            # whole job, so that traces of the predicted GPU side line up across ranks
+            emulator.update({"MIRAGE_TIMING": "1", "MIRAGE_TIMING_DIR": str(timing_dir),
+                             "MIRAGE_CLOCK_EPOCH_NS": str(time.time_ns())})
             if request.trace:
                 emulator["MIRAGE_TRACE"] = "1"
             if request.virtual_clock:

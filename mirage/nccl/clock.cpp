@@ -26,6 +26,10 @@ const ShimClock& ShimClock::get() {
     c.cost_ns = reinterpret_cast<int64_t (*)(int, int64_t, int, int, double)>(
         dlsym(RTLD_DEFAULT, "mirage_collective_cost_ns"));
     c.link_slowdown = reinterpret_cast<double (*)(const int64_t*, int)>(dlsym(RTLD_DEFAULT, "mirage_link_slowdown"));
+    c.profiler_recording = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "mirage_profiler_recording"));
+    c.profiler_wall_ns = reinterpret_cast<int64_t (*)()>(dlsym(RTLD_DEFAULT, "mirage_profiler_wall_ns"));
+    c.profiler_collective = reinterpret_cast<void (*)(int, int64_t, int64_t, int64_t, const char*, int64_t)>(
+        dlsym(RTLD_DEFAULT, "mirage_profiler_collective"));
     c.on = c.enabled && c.new_stream && c.ready && c.collective && c.current_stream_waits && c.cost_ns &&
            c.link_slowdown && c.enabled();
     const char* predict_only = std::getenv("MIRAGE_PREDICT_ONLY");

@@ -18,12 +18,20 @@ struct ShimClock {
   void (*current_stream_waits)(int, int64_t) = nullptr;
   int64_t (*cost_ns)(int, int64_t, int, int, double) = nullptr;
   double (*link_slowdown)(const int64_t*, int) = nullptr;
+  // torch.profiler's GPU side without clocked mode (mirage/shim/profiler_activities.h): whether a
+  // session records, its wall clock, and a collective that ran between two readings of it.
+  int (*profiler_recording)() = nullptr;
+  int64_t (*profiler_wall_ns)() = nullptr;
+  void (*profiler_collective)(int, int64_t, int64_t, int64_t, const char*, int64_t) = nullptr;
   bool on = false;
   // --predict-only (the shim's predict_only(), device_clock.h): kernels compute nothing, so
   // collectives carry no payload (no_payload.cpp).
   bool predict_only = false;
 
   static const ShimClock& get();
+  // Whether torch.profiler records the GPU side now, with this host's times (no clocked mode).
+  bool profiling_host_times() const { return !on && profiler_recording && profiler_wall_ns && profiler_collective &&
+                                             new_stream && profiler_recording(); }
 };
 inline const ShimClock& shim_clock() { return ShimClock::get(); }
 

@@ -2,6 +2,7 @@
 // into the transport's calls (transport.h's Communicator), all through collective(), the one
 // path every collective takes: sequence number, record, profiler event, watchdog, clock, Work.
 
+#include "clock.h"
 #include "process_group.h"
 
 #include <algorithm>
@@ -38,6 +39,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupNCCL::collective(OpType type, const c
     record(r, false);
   };
   const bool clocked = clock_collective_start();
+  const bool profiled = barrier_device_ >= 0 && shim_clock().profiling_host_times();  // torch.profiler, host times
+  const int64_t began = profiled ? shim_clock().profiler_wall_ns() : 0;
   try {
     inject_fault(r);
     comm_->check_usable(timing_.what);
@@ -50,6 +53,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupNCCL::collective(OpType type, const c
   }
   finished();
   if (clocked && !error) clock_collective_end(*work, r, profiling);
+  if (profiled && !error) {
+    shim_clock().profiler_collective(barrier_device_, comm_stream(), began, shim_clock().profiler_wall_ns(), profiling,
+                                     r.bytes);
+  }
   work->complete(error);
   std::lock_guard<std::mutex> g(mu_);
   if (coalescing_) coalesced_.push_back(work);

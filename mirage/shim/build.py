@@ -135,6 +135,8 @@ def build() -> Path:
                 # The shim is loaded before `import torch`, after the process's own libtorch
                 # (boot.py), and must not drag in libtorch_python (--as-needed).
                 extra_ldflags=["-Wl,--as-needed"], extra_cflags=["-O3"], is_python_module=False,
+                # libkineto's plugin interface (profiler_activities.cpp), shipped in the wheel
+                extra_include_paths=[str(Path(cpp_extension.TORCH_LIB_PATH).parent / "include" / "kineto")],
                 verbose=verbose)
             partial = target.with_suffix(".partial")
             shutil.copy2(objects / f"{LIBRARY_NAME}.so", partial)

@@ -6,6 +6,7 @@
 #include "device_guard.h"
 #include "device_memory.h"
 #include "op_cost.h"
+#include "profiler_activities.h"
 #include "unobserved_ops.h"
 
 #include <torch/library.h>
@@ -78,7 +79,8 @@ int64_t covered(std::vector<std::pair<int64_t, int64_t>>& ranges, int64_t from, 
 void close_step(Timeline& tl, DeviceIndex dev, int64_t end) {
   const int64_t begin = tl.last_mark[dev];
   Step step{dev, end, end - begin, 0, 0, 0, 0, 0, 0};
-  std::vector<std::pair<int64_t, int64_t>> kernels, all;
+  // computation kernels; those and the collectives; all work (copies as well)
+  std::vector<std::pair<int64_t, int64_t>> kernels, hiding_or_hidden, all;
   for (size_t i = tl.step_begin; i < tl.intervals.size(); ++i) {
     const Interval& w = tl.intervals[i];
     if (w.device != dev) continue;
@@ -90,12 +92,14 @@ void close_step(Timeline& tl, DeviceIndex dev, int64_t end) {
       case WorkKind::kCollective: step.collective += spent; break;
     }
     step.flops += w.flops;
-    if (w.kind != WorkKind::kCollective) kernels.emplace_back(w.start, w.end);
+    const bool copy = is_memcpy(w.name);
+    if (w.kind != WorkKind::kCollective && !copy) kernels.emplace_back(w.start, w.end);
+    if (!copy) hiding_or_hidden.emplace_back(w.start, w.end);
     all.emplace_back(w.start, w.end);
   }
-  const int64_t busy = covered(all, begin, end);
-  step.exposed = std::max<int64_t>(busy - covered(kernels, begin, end), 0);  // communication no kernel overlaps
-  step.idle = std::max<int64_t>(step.duration - busy, 0);     // waiting for the host or for peers
+  // communication no computation kernel overlaps (a copy beside it does not hide it)
+  step.exposed = std::max<int64_t>(covered(hiding_or_hidden, begin, end) - covered(kernels, begin, end), 0);
+  step.idle = std::max<int64_t>(step.duration - covered(all, begin, end), 0);  // waiting for the host or for peers
   tl.steps.push_back(step);
   tl.last_mark[dev] = end;
 }
@@ -108,9 +112,12 @@ int64_t device_done(Timeline& tl, DeviceIndex dev) {
   return latest;
 }
 
-void keep(Timeline& tl, const Interval& work) {
+// Keeps `work`, which the host issued at predicted time `issued`.
+void keep(Timeline& tl, const Interval& work, int64_t issued) {
   tl.used[work.device] = true;
   tl.intervals.push_back(work);
+  const uint32_t launch = count_launch();
+  if (profiling_device()) note_device_work(work, issued, launch);  // torch.profiler's GPU side
   if (!tracing()) return;
   const int64_t allocated = g_caches[work.device].allocated();
   if (allocated != tl.last_allocated[work.device]) {
@@ -157,8 +164,9 @@ int64_t run_on_stream(DeviceIndex dev, c10::StreamId stream, int64_t cost_ns, Wo
   const double slowdown = kind == WorkKind::kCompute || kind == WorkKind::kMemory ? cost_model().gpu_slowdown : 1.0;
   const int64_t ns = end_beside_collectives(tl.collectives[dev], tl.host, start, cost_ns, shared_ns) - start;
   clock = start + (slowdown == 1.0 ? ns : std::llround(static_cast<double>(ns) * slowdown));
+  const int64_t issued = tl.host;
   if (!tl_replaying) tl.host += cost_model().launch_ns;
-  keep(tl, Interval{start, clock, name, bytes, flops, stream, kind, dev});
+  keep(tl, Interval{start, clock, name, bytes, flops, stream, kind, dev}, issued);
   return clock;
 }
 
@@ -170,8 +178,9 @@ int64_t run_at(DeviceIndex dev, c10::StreamId stream, int64_t start, int64_t cos
   const int64_t begin = std::max({clock, start, tl.host});
   clock = begin + cost_ns;
   if (kind == WorkKind::kCollective) tl.collectives[dev].emplace_back(begin, clock);
+  const int64_t issued = tl.host;
   if (!tl_replaying) tl.host += cost_model().launch_ns;
-  keep(tl, Interval{begin, clock, name, bytes, flops, stream, kind, dev});
+  keep(tl, Interval{begin, clock, name, bytes, flops, stream, kind, dev}, issued);
   return clock;
 }
 

@@ -18,6 +18,7 @@
 #include <c10/core/Stream.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace mirage {
 
@@ -51,6 +52,13 @@ struct Interval {
   WorkKind kind;
   DeviceIndex device;
 };
+
+// A copy (cudaMemcpyAsync on a GPU, .item()'s read of a device scalar among them): what CUPTI
+// reports as a memcpy rather than a kernel, and what does not hide communication (the report's
+// exposed time, as Holistic Trace Analysis counts overlap: with computation kernels only).
+inline bool is_memcpy(const char* name) {
+  return name && (std::strncmp(name, "Memcpy", 6) == 0 || std::strcmp(name, "aten::_local_scalar_dense") == 0);
+}
 
 // Puts work of `cost_ns` on `stream` of `dev`, issued by the host now (the host pays the launch,
 // except inside a CUDA graph's replay): returns when it ends. While a collective already placed

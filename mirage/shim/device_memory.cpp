@@ -140,6 +140,15 @@ static PoolId current_pool(DeviceIndex dev) {
   return PoolId{0, 0};
 }
 
+// torch.profiler(profile_memory=True): each allocation (+) and free (-) of a block at its
+// modelled device address, with the device's allocated and reserved bytes after it, as CUDA's
+// caching allocator reports them (whatever holds the bytes: a DataPtr, an adopted result).
+static void report_to_profiler(uint64_t address, int64_t delta, DeviceIndex dev) {
+  if (C10_LIKELY(!c10::memoryProfilingEnabled())) return;
+  c10::reportMemoryUsageToProfiler(reinterpret_cast<void*>(address), delta, g_caches[dev].allocated(),
+                                   g_caches[dev].reserved(), c10::Device(DeviceType::CUDA, dev));
+}
+
 // A block of the device's caching allocator for `nbytes`; raises the allocator's OOM error.
 CachedBlock* allocate_block(DeviceIndex dev, size_t nbytes) {
   if (C10_UNLIKELY(g_fault_allocs.load(std::memory_order_relaxed))) fault_at_alloc(dev, nbytes, raise_oom);
@@ -155,16 +164,20 @@ CachedBlock* allocate_block(DeviceIndex dev, size_t nbytes) {
     block = g_caches[dev].allocate(nbytes, tl_stream[dev], reserve, release, nullptr, current_pool(dev));
   }
   if (!block) raise_oom(dev, static_cast<int64_t>(DeviceCache::segment_size_for(nbytes)));
+  report_to_profiler(block->address, static_cast<int64_t>(block->size), dev);
   return block;
 }
 
 void free_device_block(DeviceIndex dev, CachedBlock* block) {
+  const uint64_t address = block->address;  // the block may merge with its neighbours once free
+  const auto size = static_cast<int64_t>(block->size);
   if (C10_UNLIKELY(g_history.enabled.load(std::memory_order_relaxed))) {
     const Observer observe = history_observer(dev, gather_stack());
     g_caches[dev].free(block, &observe);
   } else {
     g_caches[dev].free(block);
   }
+  report_to_profiler(address, -size, dev);
 }
 
 static void release_cached_segments(DeviceIndex dev) {

@@ -12,6 +12,7 @@
 #include "busy_time.h"
 #include "device_clock.h"
 #include "op_cost.h"
+#include "profiler_activities.h"
 
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
@@ -87,8 +88,19 @@ static at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool non_block
     return self;
   }
   at::Tensor src_cpu = src.is_cuda() ? cpu_alias(src) : src;
-  BusyTimer busy(self.is_cuda() ? self.device().index() : src.is_cuda() ? src.device().index() : -1);
-  at::_ops::copy_::redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), dst_cpu, src_cpu, false);
+  const DeviceIndex dev = self.is_cuda() ? self.device().index() : src.is_cuda() ? src.device().index() : -1;
+  const uint32_t launch = !timing() && dev >= 0 ? count_launch() : 0;  // (clocked mode: device_clock.cpp)
+  const bool profiled = launch != 0 && profiling_device();  // torch.profiler's GPU side, host times
+  const int64_t began = profiled ? profiler_wall_ns() : 0;
+  {
+    BusyTimer busy(dev);
+    at::_ops::copy_::redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), dst_cpu, src_cpu, false);
+  }
+  if (profiled) {
+    const char* direction = !self.is_cuda() ? "Memcpy DtoH" : src.is_cuda() ? "Memcpy DtoD" : "Memcpy HtoD";
+    note_device_work(Interval{began, profiler_wall_ns(), direction, static_cast<int64_t>(self.numel() * self.itemsize()),
+                              0, tl_stream[dev], WorkKind::kCopy, dev}, began, launch);
+  }
   if (timing() && (self.is_cuda() || src.is_cuda())) clock_copy(self, src, non_blocking);
   return self;
 }

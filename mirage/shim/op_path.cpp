@@ -10,6 +10,7 @@
 #include "device_clock.h"
 #include "host_views.h"
 #include "op_cost.h"
+#include "profiler_activities.h"
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -360,9 +361,18 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
   if (C10_UNLIKELY(predict_only()) && predict_without_running(op, traits, stack)) return;  // shapes and time only
   OpCall call{op, traits, stack};
   call.alias_arguments();
+  // torch.profiler's GPU side without clocked mode: the kernel as long as it ran here
+  // (clocked mode counts launches where it places them, device_clock.cpp)
+  const uint32_t launch = !timing() && !traits.returns_view ? count_launch() : 0;
+  const bool profiled = launch != 0 && profiling_device();
+  const int64_t began = profiled ? profiler_wall_ns() : 0;
   {
     BusyTimer busy(call.device);  // utilization (host time)
     call.run_cpu_kernel();
+  }
+  if (profiled) {
+    note_device_work(Interval{began, profiler_wall_ns(), op.schema().name().c_str(), 0, 0, tl_stream[call.device],
+                              WorkKind::kCompute, call.device}, began, launch);
   }
   call.adopt_results();           // memory accounting (the allocator model)
   if (timing()) call.clock();     // the predicted timeline

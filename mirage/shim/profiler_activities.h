@@ -1,0 +1,42 @@
+// torch.profiler's GPU side (ProfilerActivity.CUDA): what a CUDA build's Kineto gets from CUPTI
+// (kernels, memcpys and their launches on the CPU thread, linked by correlation IDs), the shim
+// hands to Kineto through its plugin interface (libkineto's IActivityProfiler), from the two
+// choke points: every interval placed on the predicted timeline in clocked mode (device_clock.cpp
+// keep()), every kernel the op path and the emulated NCCL run otherwise, at this host's times.
+#pragma once
+
+#include "device_clock.h"
+
+#include <atomic>
+#include <cstdint>
+
+namespace mirage {
+
+// Whether a profiling session with GPU activity is recording (one relaxed load on the op path).
+inline std::atomic<bool> g_profiling_device{false};
+inline bool profiling_device() { return g_profiling_device.load(std::memory_order_relaxed); }
+
+// Every kernel and copy this process launched so far, counted where the op path and the
+// timeline see them: the correlation IDs of the activities reported, which grow through a
+// process's life as CUPTI's do (trace readers size their columns by them).
+inline std::atomic<uint32_t> g_launches{0};
+inline uint32_t count_launch() { return g_launches.fetch_add(1, std::memory_order_relaxed) + 1; }
+
+// The wall clock of the profiler's CPU events (ns since the epoch, c10::getTime()).
+int64_t profiler_wall_ns();
+
+// A piece of device work this thread launched at `launched_at` as launch number `launch`
+// (count_launch), for the session recording: its times are predicted ns in clocked mode (the
+// host's predicted clock when it issued the work), else wall ns (profiler_wall_ns).
+void note_device_work(const Interval& work, int64_t launched_at, uint32_t launch);
+
+}  // namespace mirage
+
+// For the emulated NCCL (another library): whether a session records, and a collective it ran
+// without clocked mode between two profiler_wall_ns() readings.
+extern "C" {
+int mirage_profiler_recording();
+int64_t mirage_profiler_wall_ns();
+void mirage_profiler_collective(int device, int64_t stream, int64_t start, int64_t end, const char* name,
+                                int64_t bytes);
+}
