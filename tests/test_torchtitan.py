@@ -74,6 +74,26 @@ def test_the_debug_model_trains(assets, torchtitan_path, triton_path, flags, tmp
     assert losses[STEPS] < losses[1] - 0.5, losses  # it learns (with --optimizer.lr 0 it does not)
 
 
+def test_torchtitans_profiling_flags_write_each_ranks_gpu_side(assets, torchtitan_path, triton_path, tmp_path):
+    """torchtitan's --profiling flags (torch.profiler with CPU and CUDA activity, a trace per rank
+    every profile_freq steps) write traces with the GPU side a CUDA build's have: FSDP's
+    all-gathers and reduce-scatters on NCCL's stream, cuBLAS's GEMMs, each kernel linked to its
+    CPU op (issue 39)."""
+    train(assets, torchtitan_path, triton_path, 2, "--profiling.enable_profiling", "--profiling.profile_freq", "4",
+          "--profiling.profiler_warmup", "1", workdir=tmp_path)
+    for rank in (0, 1):
+        trace = json.loads((tmp_path / "profile_traces" / "iteration_4" / f"rank{rank}_trace.json").read_text())
+        events = trace["traceEvents"]
+        kernels = [e for e in events if e.get("cat") == "kernel"]
+        names = {e["name"] for e in kernels}
+        assert {e["pid"] for e in kernels} == {rank}
+        assert any(name.startswith("ncclDevKernel_AllGather") for name in names)
+        assert any(name.startswith("ncclDevKernel_ReduceScatter") for name in names)
+        assert any(name.startswith("sm90_xmma_gemm") for name in names)  # the runs' profile is an H100
+        cpu_ops = {e["args"]["External id"] for e in events if e.get("cat") == "cpu_op"}
+        assert all(e["args"]["External id"] in cpu_ops for e in kernels)
+
+
 def test_a_checkpoint_resumes(assets, torchtitan_path, triton_path, tmp_path):
     """Eight steps saving at 4 and 8, then a second job that loads step 8 and trains 9 and 10."""
     checkpoint = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.no_last_save_model_only"]

@@ -7,6 +7,7 @@ Chrome trace, and none of the CPU build's "Failed to record CUDA event" warnings
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -147,13 +148,14 @@ def test_the_trace_has_a_gpu_side_as_on_a_cuda_build(tmp_path: Path, timing: boo
         assert all_reduce_starts[0] == pytest.approx(all_reduce_starts[1], abs=1e-3)
 
 
-def test_holistic_trace_analysis_reads_the_predicted_traces_of_an_fsdp_job(tmp_path: Path) -> None:
+def test_hta_and_tensorboard_read_the_predicted_traces_of_an_fsdp_job(tmp_path: Path) -> None:
     """Four FSDP2 ranks on emulated H100s, one step recorded per rank as torchtitan's profiling
     flags record it (tests/workloads/fsdp_profile.py): HTA, unchanged, runs its temporal
     breakdown, its communication/computation overlap and its kernel breakdown on the traces, and
     its overlap is mirage's own for that step (1 - exposed / collective time, from the clocked
-    report's split) within a percentage point."""
-    from hta_setup import analyse
+    report's split) within a percentage point; TensorBoard's profiler plugin offers its kernel
+    view for each worker (it offers none for a trace without a GPU side)."""
+    from trace_tools import analyse, tensorboard_views
 
     result = subprocess.run(
         [sys.executable, "-m", "mirage", "run", "--timing", "--profile", "h100", "--gpus-per-node", "4", "--",
@@ -178,3 +180,13 @@ def test_holistic_trace_analysis_reads_the_predicted_traces_of_an_fsdp_job(tmp_p
     assert any(name.startswith("ncclDevKernel_ReduceScatter") for name in hta["kernel_names"])
     assert {row["rank"] for row in hta["temporal"]} == {0, 1, 2, 3}
     assert all(row["compute_time(us)"] > 0 for row in hta["temporal"])
+    tensorboard = tmp_path / "tensorboard"
+    tensorboard.mkdir()
+    for rank in range(4):  # the names torch.profiler.tensorboard_trace_handler gives its files
+        shutil.copy(tmp_path / f"rank{rank}.json", tensorboard / f"worker{rank}.pt.trace.json")
+    (tmp_path / "tensorboard-cache").mkdir()
+    views = tensorboard_views(tensorboard, tmp_path / "tensorboard-cache")
+    assert sorted(views) == [f"worker{rank}" for rank in range(4)]
+    for worker in views.values():
+        assert "Kernel" in worker["views"] and worker["has_kernel"]
+        assert any(name.startswith("ncclDevKernel_AllGather") for name in worker["kernels"])
