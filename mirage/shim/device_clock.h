@@ -53,6 +53,9 @@ struct Interval {
   DeviceIndex device;
 };
 
+// The name a torch.compile'd graph's device work goes by (one entry for its fused kernels).
+inline constexpr const char* kCompiledGraph = "compiled graph";
+
 // A copy (cudaMemcpyAsync on a GPU, .item()'s read of a device scalar among them): what CUPTI
 // reports as a memcpy rather than a kernel, and what does not hide communication (the report's
 // exposed time, as Holistic Trace Analysis counts overlap: with computation kernels only).

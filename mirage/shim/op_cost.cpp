@@ -365,7 +365,7 @@ MIRAGE_LIBRARY(m) {
           const auto dev = static_cast<mirage::DeviceIndex>(device);
           mirage::KernelCost cost = mirage::kernel_cost(flops, bytes, dtype, 0);
           const auto fixed = static_cast<int64_t>(std::max<int64_t>(kernels - 1, 0) * mirage::cost_model().kernel_fixed_ns);
-          mirage::run_on_stream(dev, mirage::tl_stream[dev], cost.ns + fixed, cost.kind, "compiled graph", bytes, flops,
+          mirage::run_on_stream(dev, mirage::tl_stream[dev], cost.ns + fixed, cost.kind, mirage::kCompiledGraph, bytes, flops,
                                 cost.shared_ns + fixed);
         });
   // A GPU kernel that mirage runs as many ops (FlexAttention's block-sparse implementation,

@@ -156,6 +156,8 @@ std::string kernel_name(const Recording& r, const Interval& w) {
   if (is_memcpy(w.name)) return memcpy_name(op);
   if (is_gemm(op)) return gemm_kernel(r);
   if (contains(op, "attention")) return attention_kernel(r, op);
+  // a compiled graph's fused kernels, as one: inductor names its generated kernels so
+  if (op == kCompiledGraph) return "triton_poi_fused_0";
   return aten_kernel(op);
 }
 
