@@ -1,6 +1,6 @@
 """torchtitan's published Llama 3.1 runs, predicted on emulated H100s by unmodified torchtitan.
 
-    python bench/torchtitan_published.py [--cases NAME ...] [--steps N]
+    python bench/torchtitan_published.py [--cases NAME ...] [--steps N] [--profiler-traces DIR]
 
 torchtitan's benchmark page (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md)
 gives throughput (TPS/GPU) and peak memory for Llama 3.1 8B, 70B and 405B on Meta's Grand Teton
@@ -23,7 +23,11 @@ ranks standing for the data-parallel replicas; docs/stand-in-replicas.md), and
 (70b-fsdp32-tp8-256-in-node checks --stand-ins-in-node against 70b-fsdp32-tp8-256). The Llama 2
 rows of docs/performance.md run torchtitan's trainer with Llama 2's shapes as llama3 flavors
 (bench/torchtitan_llama2.py).
-Prints a table; the figures go to docs/benchmarks/ (record.py).
+Prints a table; the figures go to docs/benchmarks/ (record.py). `--profiler-traces DIR` also
+turns on torchtitan's own profiling flags for the last step and keeps the per-rank traces of
+each case in DIR/NAME/ (torch.profiler's, with their predicted GPU side), and the case's clocked
+split of its median step (collective and exposed ms) beside its figures, for a trace tool (HTA)
+to be checked against.
 """
 
 from __future__ import annotations
@@ -135,12 +139,17 @@ CASES = {
 GPUS_PER_NODE = 8
 
 
-def torchrun(case: Case, assets: Path, dump: Path, steps: int) -> list[str]:
+def torchrun(case: Case, assets: Path, dump: Path, steps: int, traces: Path | None = None) -> list[str]:
+    # torchtitan's profiling flags: the last step recorded, one trace per rank under `traces`
+    profiling = [] if traces is None else [
+        "--profiling.enable_profiling", "--profiling.save_traces_folder", str(traces),
+        "--profiling.profile_freq", str(steps), "--profiling.profiler_warmup", "1"]
     titan = [*case.entry, "--model.name", "llama3", "--model.flavor", case.flavor,
              *torchtitan_setup.data_flags(assets), "--training.local_batch_size", str(case.local_batch),
              "--training.seq_len", str(case.seq_len), "--training.steps", str(steps),
              "--parallelism.data_parallel_shard_degree", "-1", *case.parallelism, *case.activation_checkpoint,
-             "--metrics.log_freq", "1", "--metrics.disable_color_printing", "--job.dump_folder", str(dump)]
+             "--metrics.log_freq", "1", "--metrics.disable_color_printing", "--job.dump_folder", str(dump),
+             *profiling]
     if case.nodes == 1:
         return ["torchrun", "--standalone", f"--nproc_per_node={GPUS_PER_NODE}", *titan]
     line = " ".join(["torchrun", "--nnodes=$MIRAGE_NUM_NODES", "--node-rank=$MIRAGE_NODE_RANK",
@@ -149,7 +158,8 @@ def torchrun(case: Case, assets: Path, dump: Path, steps: int) -> list[str]:
     return ["sh", "-c", line]
 
 
-def run_case(name: str, case: Case, assets: Path, paths: str, steps: int, work: Path) -> dict:
+def run_case(name: str, case: Case, assets: Path, paths: str, steps: int, work: Path,
+             traces: Path | None = None) -> dict:
     summary = work / f"{name}.json"
     stand_ins = ["--stand-ins", str(case.stand_ins)] if case.stand_ins > 1 else []
     if case.stand_ins_stride:
@@ -159,7 +169,7 @@ def run_case(name: str, case: Case, assets: Path, paths: str, steps: int, work: 
     result = mirage(["--timing", "--predict-only", "--virtual-clock", "--lazy-device-memory", "--profile", case.profile,
                      "--num-nodes", str(case.nodes), "--gpus-per-node", str(GPUS_PER_NODE), *stand_ins,
                      "--summary-json", str(summary), "--env", f"PYTHONPATH={paths}", "--",
-                     *torchrun(case, assets, work / name, steps)])
+                     *torchrun(case, assets, work / name, steps, traces / name if traces else None)])
     figures = {"row": case.row, "profile": case.profile, "gpus": case.nodes * GPUS_PER_NODE, "stand_ins": case.stand_ins,
                "stand_ins_in_node": case.stand_ins_in_node,
                "like_for_like": case.like_for_like, "wall_s": round(result["wall_s"], 1),
@@ -171,6 +181,9 @@ def run_case(name: str, case: Case, assets: Path, paths: str, steps: int, work: 
     step_ms = timing["job"]["step_ms"]
     memories = [float(gib) for gib in re.findall(r"memory:\s+([0-9.]+)GiB", result["stdout"] + result["stderr"])]
     # torchtitan's TPS/GPU: a data-parallel rank's tokens over the step, shared by the GPUs of its model replica
+    if traces:  # each rank's median step, as the clocked report splits it
+        figures["split_ms"] = {rank["rank"]: {key: round(rank["split_ms"][key], 3) for key in ("collective", "exposed")}
+                               for rank in timing["ranks"]}
     figures.update(step_ms=round(step_ms, 1),
                    tps_per_gpu=round(case.local_batch * case.seq_len / (step_ms / 1e3) / case.model_parallel()),
                    memory_gib=max(memories) if memories else None)
@@ -186,6 +199,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["8b-fsdp-8"])
     parser.add_argument("--steps", type=int, default=4, help="training steps a run takes (the median is reported)")
+    parser.add_argument("--profiler-traces", type=Path, metavar="DIR",
+                        help="keep each case's per-rank torch.profiler traces of its last step in DIR/NAME/")
     args = parser.parse_args()
     paths = f"{torchtitan_setup.install_torchtitan()}:{torchtitan_setup.install_triton()}"
     results = {}
@@ -193,7 +208,8 @@ def main() -> None:
         work = Path(folder)
         assets = torchtitan_setup.make_assets(work / "assets", Path(paths.split(":")[0]))
         for name in args.cases:
-            results[name] = run_case(name, CASES[name], assets, paths, args.steps, work)
+            results[name] = run_case(name, CASES[name], assets, paths, args.steps, work,
+                                     args.profiler_traces.resolve() if args.profiler_traces else None)
             print(json.dumps({name: results[name]}), flush=True)
     print(f"{'case':<12} {'GPUs':>4} {'wall s':>7} {'host GiB':>8} {'step ms':>8} {'TPS/GPU':>8} {'published':>9} "
           f"{'error':>7} {'mem GiB':>7} {'published':>9} {'error':>7}")

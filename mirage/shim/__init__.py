@@ -12,6 +12,7 @@ torch_openreg's runtime is split:
                          and the observers it calls
     explicit_kernels.cpp the device's own kernels where the CPU kernel is not what CUDA does
     host_views.*         CPU views of device memory; CPU results adopted as device memory
+    cpu_allocator.*      torch's CPU allocator, except for a device kernel's own allocations
     device_memory.*      capacity, accounting, the CUDA allocator over caching_allocator.*
     session_table.*      the session's shared per-GPU table in /dev/shm
     memory_history.*     torch.cuda.memory._record_memory_history

@@ -3,6 +3,7 @@
 
 #include "busy_time.h"
 #include "config.h"
+#include "cpu_allocator.h"
 #include "device_guard.h"
 #include "faults.h"
 #include "generators.h"
@@ -368,6 +369,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
   const int64_t began = profiled ? profiler_wall_ns() : 0;
   {
     BusyTimer busy(call.device);  // utilization (host time)
+    DeviceKernelRunning running;  // its CPU allocations are not the process's CPU memory (cpu_allocator.h)
     call.run_cpu_kernel();
   }
   if (profiled) {
