@@ -16,11 +16,13 @@ namespace mirage {
 inline std::atomic<bool> g_profiling_device{false};
 inline bool profiling_device() { return g_profiling_device.load(std::memory_order_relaxed); }
 
-// Every kernel and copy this process launched so far, counted where the op path and the
-// timeline see them: the correlation IDs of the activities reported, which grow through a
-// process's life as CUPTI's do (trace readers size their columns by them).
-inline std::atomic<uint32_t> g_launches{0};
-inline uint32_t count_launch() { return g_launches.fetch_add(1, std::memory_order_relaxed) + 1; }
+// The CUDA runtime calls this process's launches made so far, counted where the op path and
+// the timeline see each kernel and copy: the correlation IDs of the activities reported, which
+// number runtime calls through a process's life as CUPTI's do (trace readers such as HTA size
+// their columns by them). An eager launch makes two: the launch and its check
+// (C10_CUDA_KERNEL_LAUNCH_CHECK's cudaGetLastError); a launch's ID is its first.
+inline std::atomic<uint32_t> g_runtime_calls{0};
+inline uint32_t count_launch() { return g_runtime_calls.fetch_add(2, std::memory_order_relaxed) + 1; }
 
 // The wall clock of the profiler's CPU events (ns since the epoch, c10::getTime()).
 int64_t profiler_wall_ns();
