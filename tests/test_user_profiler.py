@@ -92,7 +92,8 @@ def test_the_trace_has_a_gpu_side_as_on_a_cuda_build(tmp_path: Path, timing: boo
     what CUPTI gives a CUDA build's: kernels and memcpys on the device's stream rows, named as the
     profiled GPU's libraries name them, each linked to the CPU op that launched it (External id)
     and to its launch (a cuda_runtime event on the op's thread, joined by an ac2g flow); NCCL's
-    all_reduce on a stream of its own; allocations and frees of device memory. Clocked: the
+    all_reduce on a stream of its own, a send and its receive; allocations and frees of device
+    memory. Clocked: the
     kernels and their launches are the predicted ones (a GEMM's duration is the cost model's, a
     kernel starts after its launch, a stream runs one kernel at a time), on one time axis for
     all ranks (their all_reduce starts at the same time on both)."""
@@ -131,6 +132,9 @@ def test_the_trace_has_a_gpu_side_as_on_a_cuda_build(tmp_path: Path, timing: boo
         assert "Memcpy DtoH (Device -> Pageable)" in names  # loss.cpu()
         collectives = [a for a in activities if a["name"].startswith("ncclDevKernel_AllReduce")]
         assert len(collectives) == 1 and collectives[0]["tid"] != 7  # DDP's bucket, on NCCL's stream
+        # the send and its receive (completed on the communicator's worker thread: still the
+        # CPU op that posted it, checked with every activity above)
+        assert sum(name.startswith("ncclDevKernel_SendRecv") for name in names) == 1
         all_reduce_starts.append(collectives[0]["ts"])
         memory = [e["args"] for e in events if e.get("name") == "[memory]" and e["args"]["Device Type"] == 1]
         assert any(m["Bytes"] > 0 for m in memory) and any(m["Bytes"] < 0 for m in memory)

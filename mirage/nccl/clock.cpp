@@ -30,6 +30,8 @@ const ShimClock& ShimClock::get() {
     c.profiler_wall_ns = reinterpret_cast<int64_t (*)()>(dlsym(RTLD_DEFAULT, "mirage_profiler_wall_ns"));
     c.profiler_collective = reinterpret_cast<void (*)(int, int64_t, int64_t, int64_t, const char*, int64_t)>(
         dlsym(RTLD_DEFAULT, "mirage_profiler_collective"));
+    c.profiler_cpu_op = reinterpret_cast<uint64_t (*)()>(dlsym(RTLD_DEFAULT, "mirage_profiler_cpu_op"));
+    c.adopt_cpu_op = reinterpret_cast<void (*)(uint64_t)>(dlsym(RTLD_DEFAULT, "mirage_profiler_adopt_cpu_op"));
     c.on = c.enabled && c.new_stream && c.ready && c.collective && c.current_stream_waits && c.cost_ns &&
            c.link_slowdown && c.enabled();
     const char* predict_only = std::getenv("MIRAGE_PREDICT_ONLY");

@@ -23,6 +23,10 @@ struct ShimClock {
   int (*profiler_recording)() = nullptr;
   int64_t (*profiler_wall_ns)() = nullptr;
   void (*profiler_collective)(int, int64_t, int64_t, int64_t, const char*, int64_t) = nullptr;
+  // the CPU op running on the calling thread (0: none, or not recording); the one a worker
+  // thread reports work for (0: none)
+  uint64_t (*profiler_cpu_op)() = nullptr;
+  void (*adopt_cpu_op)(uint64_t) = nullptr;
   bool on = false;
   // --predict-only (the shim's predict_only(), device_clock.h): kernels compute nothing, so
   // collectives carry no payload (no_payload.cpp).

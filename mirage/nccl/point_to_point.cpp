@@ -38,6 +38,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupNCCL::point_to_point(std::vector<at::
     p.transfer.data = reinterpret_cast<char*>(p.size_only.get());
     p.transfer.bytes = sizeof(uint64_t);
   }
+  if (shim_clock().profiler_cpu_op) p.cpu_op = shim_clock().profiler_cpu_op();
+  if (t.is_cuda() && shim_clock().profiling_host_times()) {
+    p.profiled_device = t.device().index();
+    p.profiled_from = shim_clock().profiler_wall_ns();
+  }
   if (shim_clock().on && t.is_cuda()) clock_transfer(p, t, peer, sending);
   keep_trace(p.record);
   record(p.record, true);
@@ -69,7 +74,14 @@ void ProcessGroupNCCL::run_worker() {
   };
   const auto finished = [&](size_t i) {
     Pending& done = active[i];
+    if (done.cpu_op) shim_clock().adopt_cpu_op(done.cpu_op);  // torch.profiler: the op that posted it
     if (done.clock_device >= 0 && !done.transfer.send) clock_receive_end(done, transfers[i].header.clock);
+    if (done.profiled_from >= 0) {
+      shim_clock().profiler_collective(done.profiled_device, p2p_stream(done.record.peer), done.profiled_from,
+                                       shim_clock().profiler_wall_ns(), done.transfer.send ? "nccl:send" : "nccl:recv",
+                                       static_cast<int64_t>(done.own_bytes));
+    }
+    if (done.cpu_op) shim_clock().adopt_cpu_op(0);
     active[i].record.completed_ns = wall_ns();
     active[i].record.state = "completed";
     finish_trace(active[i].record);

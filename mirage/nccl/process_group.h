@@ -223,6 +223,11 @@ class ProcessGroupNCCL final : public c10d::Backend {
     // --predict-only, floating-point data: the transfer carries this cell (the size, sent, or
     // the sender's, received) instead of the tensor's bytes
     std::unique_ptr<uint64_t> size_only;
+    // torch.profiler: the CPU op that posted it (0: none), and without clocked mode its device
+    // and when it was posted (-1: not recorded), for the GPU side's SendRecv kernel
+    uint64_t cpu_op = 0;
+    int profiled_device = -1;
+    int64_t profiled_from = -1;
   };
 
   // clock.cpp

@@ -73,8 +73,10 @@ Recording& recording() {
   return r;
 }
 
-// The CPU ops running on this thread, innermost last (Kineto pushes and pops them).
+// The CPU ops running on this thread, innermost last (Kineto pushes and pops them), and, on a
+// thread that runs none (the emulated NCCL's worker), the one whose work it reports now.
 thread_local std::vector<uint64_t> tl_cpu_ops;
+thread_local uint64_t tl_adopted_cpu_op = 0;
 
 bool starts_with(std::string_view s, std::string_view prefix) { return s.substr(0, prefix.size()) == prefix; }
 bool contains(std::string_view s, std::string_view part) { return s.find(part) != std::string_view::npos; }
@@ -309,7 +311,7 @@ int64_t profiler_wall_ns() { return c10::getTime(); }
 
 void note_device_work(const Interval& work, int64_t launched_at, uint32_t launch) {
   Recording& r = recording();
-  const uint64_t op = tl_cpu_ops.empty() ? 0 : tl_cpu_ops.back();
+  const uint64_t op = tl_cpu_ops.empty() ? tl_adopted_cpu_op : tl_cpu_ops.back();
   const auto thread = static_cast<int32_t>(libkineto::systemThreadId());
   std::lock_guard<std::mutex> g(r.mu);
   r.launched.push_back({work, launch, op, launched_at, thread});
@@ -321,6 +323,12 @@ extern "C" {
 int mirage_profiler_recording() { return mirage::profiling_device() ? 1 : 0; }
 
 int64_t mirage_profiler_wall_ns() { return mirage::profiler_wall_ns(); }
+
+uint64_t mirage_profiler_cpu_op() {
+  return mirage::profiling_device() && !mirage::tl_cpu_ops.empty() ? mirage::tl_cpu_ops.back() : 0;
+}
+
+void mirage_profiler_adopt_cpu_op(uint64_t op) { mirage::tl_adopted_cpu_op = op; }
 
 void mirage_profiler_collective(int device, int64_t stream, int64_t start, int64_t end, const char* name,
                                 int64_t bytes) {

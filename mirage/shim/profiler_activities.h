@@ -35,10 +35,14 @@ void note_device_work(const Interval& work, int64_t launched_at, uint32_t launch
 }  // namespace mirage
 
 // For the emulated NCCL (another library): whether a session records, and a collective it ran
-// without clocked mode between two profiler_wall_ns() readings.
+// without clocked mode between two profiler_wall_ns() readings. A transfer that completes on
+// the communicator's worker thread names the CPU op that posted it: the op running on the
+// posting thread (mirage_profiler_cpu_op), adopted by the worker while it reports the transfer.
 extern "C" {
 int mirage_profiler_recording();
 int64_t mirage_profiler_wall_ns();
+uint64_t mirage_profiler_cpu_op();
+void mirage_profiler_adopt_cpu_op(uint64_t op);
 void mirage_profiler_collective(int device, int64_t stream, int64_t start, int64_t end, const char* name,
                                 int64_t bytes);
 }

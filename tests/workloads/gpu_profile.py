@@ -1,6 +1,6 @@
 """A data-parallel training step under the user's torch.profiler with ProfilerActivity.CUDA and
 profile_memory=True, as a performance engineer profiles one on a GPU box: a Linear, fused
-attention, DDP's gradient all_reduce, a copy to the host. Run by torchrun under `mirage run`
+attention, DDP's gradient all_reduce, a send from rank 0 to 1, a copy to the host. Run by torchrun under `mirage run`
 (tests/test_user_profiler.py); each rank writes its Chrome trace to argv[1]/rank<N>.json and,
 to argv[1]/rank<N>.report.json, what its key_averages() says of aten::mm and the predicted time
 of its GEMM where clocked mode is on."""
@@ -30,6 +30,11 @@ def main(out_dir: str) -> None:
         attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         loss = model(x).float().square().mean() + attention.float().mean()
         loss.backward()
+        handoff = torch.full((4096,), float(rank), device="cuda")  # a pipeline's hand-off, rank 0 to 1
+        if rank == 0:
+            dist.send(handoff, 1)
+        else:
+            dist.recv(handoff, 0)
         total = loss.detach().cpu()
         torch.cuda.synchronize()
     prof.export_chrome_trace(os.path.join(out_dir, f"rank{rank}.json"))
