@@ -127,10 +127,11 @@ def test_the_trace_has_a_gpu_side_as_on_a_cuda_build(tmp_path: Path, timing: boo
             assert launches[args["correlation"]]["args"]["External id"] == args["External id"]
             assert args["correlation"] in flow_starts and args["correlation"] in flow_ends
         names = [activity["name"] for activity in activities]
-        gemm = "sm90_xmma_gemm" if timing else "Cijk_"  # cuBLAS's on H100, hipBLASLt's on MI350X
+        # cuBLAS's bf16 kernel on an H100, hipBLASLt's (Tensile's BBS: bf16 in and out) on an MI350X
+        gemm = "sm90_xmma_gemm_bf16bf16" if timing else "Cijk_Alik_Bljk_BBS"
         assert sum(name.startswith(gemm) for name in names) == 2
         assert "Memcpy DtoH (Device -> Pageable)" in names  # loss.cpu()
-        collectives = [a for a in activities if a["name"].startswith("ncclDevKernel_AllReduce")]
+        collectives = [a for a in activities if a["name"].startswith("ncclDevKernel_AllReduce_Sum_bf16")]
         assert len(collectives) == 1 and collectives[0]["tid"] != 7  # DDP's bucket, on NCCL's stream
         # the send and its receive (completed on the communicator's worker thread: still the
         # CPU op that posted it, checked with every activity above)

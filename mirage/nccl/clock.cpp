@@ -19,7 +19,7 @@ const ShimClock& ShimClock::get() {
     c.enabled = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "mirage_timing_enabled"));
     c.new_stream = reinterpret_cast<int64_t (*)()>(dlsym(RTLD_DEFAULT, "mirage_clock_new_stream"));
     c.ready = reinterpret_cast<int64_t (*)(int, int64_t)>(dlsym(RTLD_DEFAULT, "mirage_clock_ready"));
-    c.collective = reinterpret_cast<int64_t (*)(int, int64_t, int64_t, int64_t, const char*, int64_t)>(
+    c.collective = reinterpret_cast<int64_t (*)(int, int64_t, int64_t, int64_t, const char*, int64_t, int)>(
         dlsym(RTLD_DEFAULT, "mirage_clock_collective"));
     c.current_stream_waits = reinterpret_cast<void (*)(int, int64_t)>(
         dlsym(RTLD_DEFAULT, "mirage_clock_current_stream_waits"));
@@ -28,7 +28,7 @@ const ShimClock& ShimClock::get() {
     c.link_slowdown = reinterpret_cast<double (*)(const int64_t*, int)>(dlsym(RTLD_DEFAULT, "mirage_link_slowdown"));
     c.profiler_recording = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "mirage_profiler_recording"));
     c.profiler_wall_ns = reinterpret_cast<int64_t (*)()>(dlsym(RTLD_DEFAULT, "mirage_profiler_wall_ns"));
-    c.profiler_collective = reinterpret_cast<void (*)(int, int64_t, int64_t, int64_t, const char*, int64_t)>(
+    c.profiler_collective = reinterpret_cast<void (*)(int, int64_t, int64_t, int64_t, const char*, int64_t, int)>(
         dlsym(RTLD_DEFAULT, "mirage_profiler_collective"));
     c.profiler_cpu_op = reinterpret_cast<uint64_t (*)()>(dlsym(RTLD_DEFAULT, "mirage_profiler_cpu_op"));
     c.adopt_cpu_op = reinterpret_cast<void (*)(uint64_t)>(dlsym(RTLD_DEFAULT, "mirage_profiler_adopt_cpu_op"));
@@ -82,11 +82,11 @@ bool ProcessGroupNCCL::clock_collective_start() {
 }
 
 // A clocked collective that succeeded: it starts when the last rank reached it and takes its cost.
-void ProcessGroupNCCL::clock_collective_end(EmulatedWork& work, const Record& r, const char* profiling) {
+void ProcessGroupNCCL::clock_collective_end(EmulatedWork& work, const Record& r, const char* profiling, int dtype) {
   const auto [kind, bus_bytes] = bus_shape(r);
   const int64_t cost = shim_clock().cost_ns(kind, bus_bytes, size_, nodes_in_group_, nic_slowdown_);
   const int64_t end = shim_clock().collective(barrier_device_, comm_stream(), comm_->agreed_ready_ns(), cost,
-                                              profiling, bus_bytes);
+                                              profiling, bus_bytes, dtype);
   work.set_predicted_end(barrier_device_, comm_stream(), end);
 }
 
@@ -106,7 +106,7 @@ void ProcessGroupNCCL::clock_transfer(Pending& p, const at::Tensor& t, int peer,
     p.transfer.clock = p.ready_ns;
     p.work->set_predicted_end(p.clock_device, p2p_stream(peer),
                               shim_clock().collective(p.clock_device, p2p_stream(peer), p.ready_ns, p.cost_ns,
-                                                      "nccl:send", nbytes(t)));
+                                                      "nccl:send", nbytes(t), -1));
   }
 }
 
@@ -116,7 +116,7 @@ void ProcessGroupNCCL::clock_receive_end(Pending& done, int64_t sender_clock) {
   const int64_t stream = p2p_stream(done.record.peer);
   done.work->set_predicted_end(done.clock_device, stream,
                                shim_clock().collective(done.clock_device, stream, start, done.cost_ns, "nccl:recv",
-                                                       static_cast<int64_t>(done.own_bytes)));
+                                                       static_cast<int64_t>(done.own_bytes), -1));
 }
 
 }  // namespace mirage::nccl

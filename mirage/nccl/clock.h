@@ -14,7 +14,7 @@ struct ShimClock {
   int (*enabled)() = nullptr;
   int64_t (*new_stream)() = nullptr;
   int64_t (*ready)(int, int64_t) = nullptr;
-  int64_t (*collective)(int, int64_t, int64_t, int64_t, const char*, int64_t) = nullptr;
+  int64_t (*collective)(int, int64_t, int64_t, int64_t, const char*, int64_t, int) = nullptr;
   void (*current_stream_waits)(int, int64_t) = nullptr;
   int64_t (*cost_ns)(int, int64_t, int, int, double) = nullptr;
   double (*link_slowdown)(const int64_t*, int) = nullptr;
@@ -22,7 +22,7 @@ struct ShimClock {
   // session records, its wall clock, and a collective that ran between two readings of it.
   int (*profiler_recording)() = nullptr;
   int64_t (*profiler_wall_ns)() = nullptr;
-  void (*profiler_collective)(int, int64_t, int64_t, int64_t, const char*, int64_t) = nullptr;
+  void (*profiler_collective)(int, int64_t, int64_t, int64_t, const char*, int64_t, int) = nullptr;
   // the CPU op running on the calling thread (0: none, or not recording); the one a worker
   // thread reports work for (0: none)
   uint64_t (*profiler_cpu_op)() = nullptr;

@@ -52,10 +52,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupNCCL::collective(OpType type, const c
     throw;
   }
   finished();
-  if (clocked && !error) clock_collective_end(*work, r, profiling);
+  const int dtype = tensors.empty() ? -1 : static_cast<int>(tensors[0].scalar_type());
+  if (clocked && !error) clock_collective_end(*work, r, profiling, dtype);
   if (profiled && !error) {
     shim_clock().profiler_collective(barrier_device_, comm_stream(), began, shim_clock().profiler_wall_ns(), profiling,
-                                     r.bytes);
+                                     r.bytes, dtype);
   }
   work->complete(error);
   std::lock_guard<std::mutex> g(mu_);

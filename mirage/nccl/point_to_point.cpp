@@ -79,7 +79,7 @@ void ProcessGroupNCCL::run_worker() {
     if (done.profiled_from >= 0) {
       shim_clock().profiler_collective(done.profiled_device, p2p_stream(done.record.peer), done.profiled_from,
                                        shim_clock().profiler_wall_ns(), done.transfer.send ? "nccl:send" : "nccl:recv",
-                                       static_cast<int64_t>(done.own_bytes));
+                                       static_cast<int64_t>(done.own_bytes), -1);
     }
     if (done.cpu_op) shim_clock().adopt_cpu_op(0);
     active[i].record.completed_ns = wall_ns();

@@ -235,7 +235,8 @@ class ProcessGroupNCCL final : public c10d::Backend {
   int64_t p2p_stream(int peer);
   std::pair<int, int64_t> bus_shape(const Record& r) const;
   bool clock_collective_start();
-  void clock_collective_end(EmulatedWork& work, const Record& r, const char* profiling);
+  // `dtype`: the collective's data's c10::ScalarType (-1: none), for the profiler's kernel names
+  void clock_collective_end(EmulatedWork& work, const Record& r, const char* profiling, int dtype);
   void clock_transfer(Pending& p, const at::Tensor& t, int peer, bool sending);
   void clock_receive_end(Pending& done, int64_t sender_clock);
 

@@ -155,7 +155,7 @@ int64_t end_beside_collectives(std::vector<std::pair<int64_t, int64_t>>& collect
 }  // namespace
 
 int64_t run_on_stream(DeviceIndex dev, c10::StreamId stream, int64_t cost_ns, WorkKind kind, const char* name,
-                      int64_t bytes, double flops, int64_t shared_ns) {
+                      int64_t bytes, double flops, int64_t shared_ns, c10::ScalarType dtype) {
   Timeline& tl = timeline();
   std::lock_guard<std::mutex> g(tl.mu);
   int64_t& clock = stream_clock(tl, dev, stream);
@@ -166,12 +166,12 @@ int64_t run_on_stream(DeviceIndex dev, c10::StreamId stream, int64_t cost_ns, Wo
   clock = start + (slowdown == 1.0 ? ns : std::llround(static_cast<double>(ns) * slowdown));
   const int64_t issued = tl.host;
   if (!tl_replaying) tl.host += cost_model().launch_ns;
-  keep(tl, Interval{start, clock, name, bytes, flops, stream, kind, dev}, issued);
+  keep(tl, Interval{start, clock, name, bytes, flops, stream, kind, dev, dtype}, issued);
   return clock;
 }
 
 int64_t run_at(DeviceIndex dev, c10::StreamId stream, int64_t start, int64_t cost_ns, WorkKind kind,
-               const char* name, int64_t bytes, double flops) {
+               const char* name, int64_t bytes, double flops, c10::ScalarType dtype) {
   Timeline& tl = timeline();
   std::lock_guard<std::mutex> g(tl.mu);
   int64_t& clock = stream_clock(tl, dev, stream);
@@ -180,7 +180,7 @@ int64_t run_at(DeviceIndex dev, c10::StreamId stream, int64_t start, int64_t cos
   if (kind == WorkKind::kCollective) tl.collectives[dev].emplace_back(begin, clock);
   const int64_t issued = tl.host;
   if (!tl_replaying) tl.host += cost_model().launch_ns;
-  keep(tl, Interval{begin, clock, name, bytes, flops, stream, kind, dev}, issued);
+  keep(tl, Interval{begin, clock, name, bytes, flops, stream, kind, dev, dtype}, issued);
   return clock;
 }
 
@@ -243,9 +243,10 @@ int64_t mirage_clock_ready(int device, int64_t comm_stream) {
 }
 
 int64_t mirage_clock_collective(int device, int64_t comm_stream, int64_t start, int64_t cost_ns, const char* name,
-                                int64_t bytes) {
+                                int64_t bytes, int dtype) {
   return mirage::run_at(static_cast<mirage::DeviceIndex>(device), comm_stream, start, cost_ns,
-                        mirage::WorkKind::kCollective, name, bytes, 0);
+                        mirage::WorkKind::kCollective, name, bytes, 0,
+                        dtype < 0 ? c10::ScalarType::Undefined : static_cast<c10::ScalarType>(dtype));
 }
 
 void mirage_clock_current_stream_waits(int device, int64_t t) {

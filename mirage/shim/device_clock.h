@@ -51,6 +51,7 @@ struct Interval {
   c10::StreamId stream;
   WorkKind kind;
   DeviceIndex device;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;  // what it computes in (the profiler's kernel names)
 };
 
 // The name a torch.compile'd graph's device work goes by (one entry for its fused kernels).
@@ -68,10 +69,11 @@ inline bool is_memcpy(const char* name) {
 // on `dev` runs beside it, the work proceeds at the rate of `shared_ns` (its cost on the compute
 // units NCCL's kernel leaves; -1: the same as cost_ns).
 int64_t run_on_stream(DeviceIndex dev, c10::StreamId stream, int64_t cost_ns, WorkKind kind, const char* name,
-                      int64_t bytes, double flops, int64_t shared_ns = -1);
+                      int64_t bytes, double flops, int64_t shared_ns = -1,
+                      c10::ScalarType dtype = c10::ScalarType::Undefined);
 // Work whose start was agreed elsewhere (a collective, from every rank's ready time).
 int64_t run_at(DeviceIndex dev, c10::StreamId stream, int64_t start, int64_t cost_ns, WorkKind kind,
-               const char* name, int64_t bytes, double flops);
+               const char* name, int64_t bytes, double flops, c10::ScalarType dtype = c10::ScalarType::Undefined);
 int64_t stream_time(DeviceIndex dev, c10::StreamId stream);
 void stream_waits_for(DeviceIndex dev, c10::StreamId stream, int64_t t);
 // Every stream of `dev` done.
@@ -111,8 +113,9 @@ int64_t mirage_clock_new_stream();
 // queued on it, after the caller's current stream (ProcessGroupNCCL's syncStream), after launch.
 int64_t mirage_clock_ready(int device, int64_t comm_stream);
 // The collective, from `start` (every rank's latest ready time) for `cost_ns`: returns its end.
+// `dtype`: its data's c10::ScalarType (-1: none).
 int64_t mirage_clock_collective(int device, int64_t comm_stream, int64_t start, int64_t cost_ns, const char* name,
-                                int64_t bytes);
+                                int64_t bytes, int dtype);
 // Work::wait: the caller's current stream waits for `t`.
 void mirage_clock_current_stream_waits(int device, int64_t t);
 // The predicted duration of a collective (op_cost.cpp): kind as mirage::nccl::Kind, `bytes` the

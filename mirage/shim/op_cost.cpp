@@ -268,7 +268,8 @@ void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs
   const double counted = has_flop_formula(handle.schema()) ? flop_count(handle, args, results.data(), results.size()) : 0;
   const double flops = causal ? counted / 2 : counted;
   const KernelCost cost = kernel_cost(flops, bytes, first.scalar_type(), 0, ComputeKind::kAttention);
-  run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, handle.schema().name().c_str(), bytes, flops, cost.shared_ns);
+  run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, handle.schema().name().c_str(), bytes, flops, cost.shared_ns,
+                first.scalar_type());
 }
 
 }  // namespace mirage
@@ -379,7 +380,7 @@ MIRAGE_LIBRARY(m) {
           const auto dev = static_cast<mirage::DeviceIndex>(device);
           const mirage::KernelCost cost = mirage::kernel_cost(flops, bytes, dtype, 0, mirage::ComputeKind::kAttention);
           mirage::run_on_stream(dev, mirage::tl_stream[dev], cost.ns, cost.kind, names[kernel], bytes, flops,
-                                cost.shared_ns);
+                                cost.shared_ns, dtype);
         });
   m.def("clock_set_flop_ops(str[] names) -> ()", [](std::vector<std::string> names) {
     mirage::FlopOps& f = mirage::flop_ops();

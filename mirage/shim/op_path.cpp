@@ -139,7 +139,7 @@ static void clock_kernel(const c10::OperatorHandle& op, const OpTraits& traits, 
   }
   const KernelCost cost = kernel_cost(flops, bytes, dtype, tiles);
   const int64_t end = run_on_stream(device, tl_stream[device], cost.ns, cost.kind, op.schema().name().c_str(),
-                                    bytes, flops, cost.shared_ns);
+                                    bytes, flops, cost.shared_ns, dtype);
   if (traits.synchronizes) host_waits_for(end);
 }
 
@@ -340,10 +340,12 @@ struct OpCall {
     }
   }
 
+  // What the kernel computes in: its first device tensor's dtype.
+  at::ScalarType dtype() const { return aliased.empty() ? at::kFloat : aliased.front().orig.scalar_type(); }
+
   // Clocked mode: the kernel's place on the predicted timeline of its device's current stream.
   void clock() {
-    clock_kernel(op, traits, device, aliased.empty() ? at::kFloat : aliased.front().orig.scalar_type(), bytes,
-                 arguments, stack->data() + (stack->size() - traits.num_returns));
+    clock_kernel(op, traits, device, dtype(), bytes, arguments, stack->data() + (stack->size() - traits.num_returns));
   }
 
   // Aliases nobody kept go back to the thread's spares.
@@ -374,7 +376,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
   }
   if (profiled) {
     note_device_work(Interval{began, profiler_wall_ns(), op.schema().name().c_str(), 0, 0, tl_stream[call.device],
-                              WorkKind::kCompute, call.device}, began, launch);
+                              WorkKind::kCompute, call.device, call.dtype()}, began, launch);
   }
   call.adopt_results();           // memory accounting (the allocator model)
   if (timing()) call.clock();     // the predicted timeline

@@ -81,25 +81,56 @@ thread_local uint64_t tl_adopted_cpu_op = 0;
 bool starts_with(std::string_view s, std::string_view prefix) { return s.substr(0, prefix.size()) == prefix; }
 bool contains(std::string_view s, std::string_view part) { return s.find(part) != std::string_view::npos; }
 
-// NCCL's device kernel for a collective the emulated NCCL names "nccl:<op>".
-std::string nccl_kernel(std::string_view op) {
-  const char* kernel = "SendRecv";
-  if (contains(op, "all_reduce") || contains(op, "allreduce") || contains(op, "barrier")) kernel = "AllReduce_Sum";
-  else if (contains(op, "all_gather") || contains(op, "allgather")) kernel = "AllGather";
-  else if (contains(op, "reduce_scatter")) kernel = "ReduceScatter_Sum";
-  else if (contains(op, "broadcast")) kernel = "Broadcast";
-  else if (op == "nccl:reduce") kernel = "Reduce_Sum";
-  if (std::string_view(kernel) == "SendRecv") return "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)";
-  return std::string("ncclDevKernel_") + kernel + "_RING_LL(ncclDevKernelArgsStorage<4096ul>)";
+// NCCL's name for a data type, as its reducing kernels carry it.
+std::string nccl_type(c10::ScalarType dtype) {
+  switch (dtype) {
+    case c10::ScalarType::BFloat16: return "bf16";
+    case c10::ScalarType::Half: return "f16";
+    case c10::ScalarType::Double: return "f64";
+    case c10::ScalarType::Int: return "i32";
+    case c10::ScalarType::Long: return "i64";
+    case c10::ScalarType::Byte:
+    case c10::ScalarType::Bool: return "u8";
+    case c10::ScalarType::Char: return "i8";
+    default: return "f32";
+  }
+}
+
+// NCCL's device kernel for a collective the emulated NCCL names "nccl:<op>": reductions carry
+// their operation and type (the emulated NCCL's reductions are reported as sums).
+std::string nccl_kernel(std::string_view op, c10::ScalarType dtype) {
+  std::string kernel;
+  if (contains(op, "all_reduce") || contains(op, "allreduce") || contains(op, "barrier")) {
+    kernel = "AllReduce_Sum_" + nccl_type(dtype);
+  } else if (contains(op, "all_gather") || contains(op, "allgather")) {
+    kernel = "AllGather";
+  } else if (contains(op, "reduce_scatter")) {
+    kernel = "ReduceScatter_Sum_" + nccl_type(dtype);
+  } else if (contains(op, "broadcast")) {
+    kernel = "Broadcast";
+  } else if (op == "nccl:reduce") {
+    kernel = "Reduce_Sum_" + nccl_type(dtype);
+  } else {
+    return "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)";
+  }
+  return "ncclDevKernel_" + kernel + "_RING_LL(ncclDevKernelArgsStorage<4096ul>)";
 }
 
 // The GEMM library's kernel: cuBLAS's on NVIDIA parts (its Ampere and its sm90+ naming),
 // hipBLASLt's (Tensile's) on AMD ones.
-std::string gemm_kernel(const Recording& r) {
-  if (r.amd) return "Cijk_Alik_Bljk_BBS_BH_MT256x256x64_MI32x32x8x1_SN_LDSB1_GRVW8_WG32_8_1";
+std::string gemm_kernel(const Recording& r, c10::ScalarType dtype) {
+  const bool bf16 = dtype == c10::ScalarType::BFloat16, f16 = dtype == c10::ScalarType::Half;
+  if (r.amd) {  // Tensile's type code: inputs, outputs, compute
+    return std::string("Cijk_Alik_Bljk_") + (bf16 ? "BBS_BH" : f16 ? "HHS_BH" : "S") +
+           "_MT256x256x64_MI32x32x8x1_SN_LDSB1_GRVW8_WG32_8_1";
+  }
   const std::string sm = "sm" + (starts_with(r.arch, "sm_") ? r.arch.substr(3) : std::string("90"));
-  if (starts_with(sm, "sm8")) return "ampere_bf16_s16816gemm_bf16_128x256_ldg8_f2f_stages_64x3_tn";
-  return sm + "_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off_kernel__5x_cublas";
+  if (starts_with(sm, "sm8")) {
+    return bf16 ? "ampere_bf16_s16816gemm_bf16_128x256_ldg8_f2f_stages_64x3_tn"
+                : f16 ? "ampere_fp16_s16816gemm_fp16_128x256_ldg8_f2f_stages_64x3_tn" : "ampere_sgemm_128x64_tn";
+  }
+  const std::string types = bf16 ? "bf16bf16_bf16f32_f32" : f16 ? "f16f16_f16f32_f32" : "f32f32_f32f32_f32";
+  return sm + "_xmma_gemm_" + types + "_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off_kernel__5x_cublas";
 }
 
 // Fused attention's kernels: FlashAttention-2 (CUDA), AOTriton (ROCm), cuDNN's and
@@ -154,9 +185,9 @@ std::string memcpy_name(std::string_view name) {
 
 std::string kernel_name(const Recording& r, const Interval& w) {
   const std::string_view op(w.name ? w.name : "");
-  if (w.kind == WorkKind::kCollective) return nccl_kernel(op);
+  if (w.kind == WorkKind::kCollective) return nccl_kernel(op, w.dtype);
   if (is_memcpy(w.name)) return memcpy_name(op);
-  if (is_gemm(op)) return gemm_kernel(r);
+  if (is_gemm(op)) return gemm_kernel(r, w.dtype);
   if (contains(op, "attention")) return attention_kernel(r, op);
   // a compiled graph's fused kernels, as one: inductor names its generated kernels so
   if (op == kCompiledGraph) return "triton_poi_fused_0";
@@ -331,10 +362,12 @@ uint64_t mirage_profiler_cpu_op() {
 void mirage_profiler_adopt_cpu_op(uint64_t op) { mirage::tl_adopted_cpu_op = op; }
 
 void mirage_profiler_collective(int device, int64_t stream, int64_t start, int64_t end, const char* name,
-                                int64_t bytes) {
+                                int64_t bytes, int dtype) {
   if (!mirage::profiling_device()) return;
   mirage::note_device_work(mirage::Interval{start, end, name, bytes, 0, stream, mirage::WorkKind::kCollective,
-                                            static_cast<mirage::DeviceIndex>(device)}, start, mirage::count_launch());
+                                            static_cast<mirage::DeviceIndex>(device),
+                                            dtype < 0 ? c10::ScalarType::Undefined : static_cast<c10::ScalarType>(dtype)},
+                           start, mirage::count_launch());
 }
 }
 

@@ -44,5 +44,5 @@ int64_t mirage_profiler_wall_ns();
 uint64_t mirage_profiler_cpu_op();
 void mirage_profiler_adopt_cpu_op(uint64_t op);
 void mirage_profiler_collective(int device, int64_t stream, int64_t start, int64_t end, const char* name,
-                                int64_t bytes);
+                                int64_t bytes, int dtype);
 }
