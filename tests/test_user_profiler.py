@@ -145,8 +145,13 @@ def test_the_trace_has_a_gpu_side_as_on_a_cuda_build(tmp_path: Path, timing: boo
         # device tensor of the step is 64 KiB)
         host = [e["args"]["Bytes"] for e in events if e.get("name") == "[memory]" and e["args"]["Device Type"] == 0]
         assert all(abs(size) <= 8 for size in host), host
+        # fused attention, one kernel each way (without --timing too: its ATen ops are not listed)
+        forward, backward = (("void pytorch_flash::flash_fwd_kernel", "void pytorch_flash::flash_bwd") if timing
+                             else ("attn_fwd", "bwd_kernel_dk_dv"))  # FlashAttention-2 on CUDA, AOTriton on ROCm
+        assert sum(name.startswith(forward) for name in names) == 1
+        assert sum(name.startswith(backward) for name in names) == 1
+        assert not any("scaled_dot_product" in name or "aten::bmm" in name for name in names)
         if timing:
-            assert any(name.startswith("void pytorch_flash::flash_fwd_kernel") for name in names)
             durations_ns = {round(a["dur"] * 1000) for a in activities if a["name"].startswith(gemm)}
             assert report["gemm_predicted_ns"] in durations_ns
             for row in rows.values():

@@ -20,6 +20,7 @@
 
 #include "device_clock.h"
 #include "op_cost.h"
+#include "profiler_activities.h"
 
 #include <cmath>
 #include <cstdlib>
@@ -115,6 +116,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, c10::SymInt, c10::SymInt, Tensor, Ten
     bool /*return_debug_mask*/, std::optional<double> scale) {
   TORCH_CHECK(dropout_p == 0.0, "mirage: flash attention with dropout is not emulated (the CPU kernel has none)");
   KernelScope kernel;
+  const HostTimedFusedKernel profiled(kernel, "aten::_scaled_dot_product_flash_attention", query.device().index(),
+                                      query.scalar_type());
   auto [out, logsumexp] = predict_only() ? predicted_attention(query, value)
                                          : at::_scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0,
                                                                                            is_causal, {}, scale);
@@ -139,6 +142,8 @@ std::tuple<Tensor, Tensor, Tensor> flash_attention_backward(const Tensor& grad_o
     c10::SymInt, c10::SymInt, double dropout_p, bool is_causal, const Tensor&, const Tensor&,
     std::optional<double> scale) {
   KernelScope kernel;
+  const HostTimedFusedKernel profiled(kernel, "aten::_scaled_dot_product_flash_attention_backward",
+                                      query.device().index(), query.scalar_type());
   auto grads = predict_only() ? std::make_tuple(at::empty_like(query), at::empty_like(key), at::empty_like(value))
                               : at::_scaled_dot_product_flash_attention_for_cpu_backward(
                                     grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, {}, scale);
@@ -162,6 +167,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> efficient_attention(const Tensor& que
     bool is_causal, std::optional<double> scale) {
   TORCH_CHECK(dropout_p == 0.0, "mirage: memory-efficient attention with dropout is not emulated");
   KernelScope kernel;
+  const HostTimedFusedKernel profiled(kernel, "aten::_scaled_dot_product_efficient_attention", query.device().index(),
+                                      query.scalar_type());
   const std::optional<Tensor> mask = attn_bias && attn_bias->defined() ? std::optional<Tensor>(attn_bias->to(query.scalar_type()))
                                                                        : std::nullopt;
   auto [out, logsumexp] = predict_only() ? predicted_attention(query, value)
@@ -219,6 +226,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> efficient_attention_backward(const Te
     const Tensor& seed, const Tensor& offset, double dropout_p, std::array<bool, 4> grad_input_mask, bool is_causal,
     std::optional<double> scale) {
   KernelScope kernel;
+  const HostTimedFusedKernel profiled(kernel, "aten::_scaled_dot_product_efficient_attention_backward",
+                                      query.device().index(), query.scalar_type());
   auto grads = predict_only() ? std::make_tuple(at::empty_like(query), at::empty_like(key), at::empty_like(value),
                                                 attn_bias.defined() && grad_input_mask[3] ? at::empty_like(attn_bias) : Tensor())
                               : efficient_attention_backward_kernel(grad_out, query, key, value, attn_bias, out, logsumexp, seed, offset,

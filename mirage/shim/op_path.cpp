@@ -367,7 +367,8 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
   // torch.profiler's GPU side without clocked mode: the kernel as long as it ran here
   // (clocked mode counts launches where it places them, device_clock.cpp)
   const uint32_t launch = !timing() && !traits.returns_view ? count_launch() : 0;
-  const bool profiled = launch != 0 && profiling_device();
+  // (inside a fused kernel its ops are not reported alone: profiler_activities.h)
+  const bool profiled = launch != 0 && profiling_device() && tl_kernel_depth == 0;
   const int64_t began = profiled ? profiler_wall_ns() : 0;
   {
     BusyTimer busy(call.device);  // utilization (host time)

@@ -135,7 +135,7 @@ std::string gemm_kernel(const Recording& r, c10::ScalarType dtype) {
 
 // Fused attention's kernels: FlashAttention-2 (CUDA), AOTriton (ROCm), cuDNN's and
 // memory-efficient attention's, and inductor's template for FlexAttention.
-std::string attention_kernel(const Recording& r, std::string_view op) {
+std::string attention_kernel(const Recording& r, std::string_view op, c10::ScalarType dtype) {
   const bool backward = contains(op, "backward");
   if (contains(op, "flex_attention")) return backward ? "triton_tem_fused_flex_attention_backward_0" : "triton_tem_fused_flex_attention_0";
   if (r.amd) return backward ? "bwd_kernel_dk_dv" : "attn_fwd";
@@ -143,9 +143,10 @@ std::string attention_kernel(const Recording& r, std::string_view op) {
     return backward ? "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0"
                     : "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0";
   }
-  if (contains(op, "efficient")) {
-    return backward ? "fmha_cutlassB_bf16_aligned_64x64_k128_sm80(PyTorchMemEffAttention::AttentionBackwardKernel<cutlass::arch::Sm80, cutlass::bfloat16_t, true, false, true, 64, 64, 128, false>::Params)"
-                    : "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::bfloat16_t, cutlass::arch::Sm80, true, 64, 64, 64, true, true>::Params)";
+  if (contains(op, "efficient")) {  // its kernels are named by their data type
+    const char* type = dtype == c10::ScalarType::BFloat16 ? "bf16" : dtype == c10::ScalarType::Half ? "f16" : "f32";
+    return std::string(backward ? "fmha_cutlassB_" : "fmha_cutlassF_") + type +
+           (backward ? "_aligned_64x64_k128_sm80" : "_aligned_64x64_rf_sm80");
   }
   return backward ? "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128, 64, 128, 8, 2, 4, 2, false, false, cutlass::bfloat16_t, Flash_kernel_traits<128, 64, 128, 8, cutlass::bfloat16_t> >, false, true, false, false, false, true, false, false>(pytorch_flash::Flash_bwd_params)"
                   : "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t, Flash_kernel_traits<128, 128, 64, 4, cutlass::bfloat16_t> >, false, true, false, false, true, true, false, false>(pytorch_flash::Flash_fwd_params)";
@@ -188,7 +189,7 @@ std::string kernel_name(const Recording& r, const Interval& w) {
   if (w.kind == WorkKind::kCollective) return nccl_kernel(op, w.dtype);
   if (is_memcpy(w.name)) return memcpy_name(op);
   if (is_gemm(op)) return gemm_kernel(r, w.dtype);
-  if (contains(op, "attention")) return attention_kernel(r, op);
+  if (contains(op, "attention")) return attention_kernel(r, op, w.dtype);
   // a compiled graph's fused kernels, as one: inductor names its generated kernels so
   if (op == kCompiledGraph) return "triton_poi_fused_0";
   return aten_kernel(op);

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "device_clock.h"
+#include "device_guard.h"
 
 #include <atomic>
 #include <cstdint>
@@ -31,6 +32,30 @@ int64_t profiler_wall_ns();
 // (count_launch), for the session recording: its times are predicted ns in clocked mode (the
 // host's predicted clock when it issued the work), else wall ns (profiler_wall_ns).
 void note_device_work(const Interval& work, int64_t launched_at, uint32_t launch);
+
+// Without clocked mode, a fused kernel written over ATen (a KernelScope: fused attention) as the
+// one kernel it stands for, lasting what its ATen work took here; its ATen ops are not reported
+// on their own (the op path skips them inside a KernelScope).
+class HostTimedFusedKernel {
+ public:
+  HostTimedFusedKernel(const KernelScope& scope, const char* name, DeviceIndex device, c10::ScalarType dtype)
+      : name_(scope.outermost && !timing() && profiling_device() ? name : nullptr), device_(device), dtype_(dtype),
+        began_(name_ ? profiler_wall_ns() : 0) {}
+  ~HostTimedFusedKernel() {
+    if (name_) {
+      note_device_work(Interval{began_, profiler_wall_ns(), name_, 0, 0, tl_stream[device_], WorkKind::kCompute, device_,
+                                dtype_}, began_, count_launch());
+    }
+  }
+  HostTimedFusedKernel(const HostTimedFusedKernel&) = delete;
+  HostTimedFusedKernel& operator=(const HostTimedFusedKernel&) = delete;
+
+ private:
+  const char* name_;
+  DeviceIndex device_;
+  c10::ScalarType dtype_;
+  int64_t began_;
+};
 
 }  // namespace mirage
 
