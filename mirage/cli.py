@@ -5,7 +5,7 @@ Usage:
                [--timing [--trace PATH] [--virtual-clock] [--timing-tuning FILE]
                          [--predict-only [--stand-ins K [--stand-ins-stride N]] [--stand-ins-in-node T]]]
                [--isolate-nodes | --no-isolate-nodes] [--node-hostname PATTERN] [--image NAME]
-               [--lazy-device-memory] [--env K=V]... [--workdir DIR] [--clear-env-vars] [--no-fork-server]
+               [--lazy-device-memory] [--check-races[=error|warn|off]] [--env K=V]... [--workdir DIR] [--clear-env-vars] [--no-fork-server]
                -- CMD ARGS...
     mirage plan --axis NAME={V1,V2,...}... [--jobs N] [--tokens-per-step EXPR] [--price-per-gpu-hour P]
                 [--json] [--cache DIR] [run flags] -- CMD ARGS with {NAME}...
@@ -139,6 +139,11 @@ def _build_parser() -> _Parser:
     run.add_argument("--lazy-device-memory", action="store_true",
                      help="device memory costs host memory only where written, and freed blocks give it back "
                           "(for models larger than the host's RAM; collectives copy through shared memory)")
+    run.add_argument("--check-races", nargs="?", const="error", default="off", choices=("error", "warn", "off"),
+                     metavar="{error,warn,off}",
+                     help="report what a GPU would run in an order the program does not ensure (streams, async "
+                          "collectives, memory reused across streams, CPU reads); error (the default when given): "
+                          "report, then fail the op; warn: report and go on (README: 'Finding races')")
     run.add_argument("--no-fork-server", dest="fork_server", action="store_false",
                      help="start every Python process on its own instead of forking it from a process "
                           "that has imported torch (slower start-up, more memory per rank)")
@@ -302,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             trace=args.trace, virtual_clock=args.virtual_clock, timing_tuning=args.timing_tuning,
             predict_only=args.predict_only, stand_ins=args.stand_ins, stand_ins_stride=args.stand_ins_stride,
             stand_ins_in_node=args.stand_ins_in_node,
-            lazy_device_memory=args.lazy_device_memory, faults=args.fault, faults_file=args.faults, seed=args.seed, isolate_nodes=args.isolate_nodes,
+            lazy_device_memory=args.lazy_device_memory, check_races=args.check_races, faults=args.fault, faults_file=args.faults, seed=args.seed, isolate_nodes=args.isolate_nodes,
             node_hostname=args.node_hostname, image=args.image, fork_server=args.fork_server,
         )
         try:

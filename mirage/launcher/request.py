@@ -51,6 +51,7 @@ class RunRequest:
     stand_ins_stride: int | None = None  # the data-parallel index changes every this many ranks (None: outermost)
     stand_ins_in_node: int = 1           # in each running node, one of every this many local ranks runs
     lazy_device_memory: bool = False     # device memory is host memory only where written
+    check_races: str = "off"             # --check-races: "error", "warn" or "off"
     faults: list[str] = field(default_factory=list)  # --fault specs (mirage/launcher/faults.py)
     faults_file: str | None = None       # --faults FILE
     seed: int | None = None              # draws the counts of faults at 'random'
@@ -108,6 +109,11 @@ def validate(request: RunRequest) -> tuple[profiles.Profile, int]:
     except fault_specs.FaultError as err:
         raise UsageError(str(err)) from None
     _validate_timing(request, profile)
+    if request.check_races not in ("error", "warn", "off"):
+        raise UsageError(f"--check-races={request.check_races} is not a mode; use error, warn or off")
+    if request.check_races != "off" and request.predict_only:
+        raise UsageError("--check-races with --predict-only: the checker follows the kernels as they run, and "
+                         "--predict-only runs none. Fix: drop one of them")
     try:
         nodes.hostnames(request.node_hostname, request.num_nodes)
     except ValueError as err:

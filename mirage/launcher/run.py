@@ -275,6 +275,8 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
         }
         if request.lazy_device_memory:
             emulator["MIRAGE_LAZY_DEVICE_MEMORY"] = "1"
+        if request.check_races != "off":
+            emulator["MIRAGE_CHECK_RACES"] = request.check_races  # mirage/shim/race_checker.h
         if request.timing:
             timing_dir.mkdir(mode=0o700)
             # MIRAGE_CLOCK_EPOCH_NS: where predicted time 0 lies on the wall clock, one for the

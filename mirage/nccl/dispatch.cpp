@@ -3,6 +3,7 @@
 // path every collective takes: sequence number, record, profiler event, watchdog, clock, Work.
 
 #include "clock.h"
+#include "races.h"
 #include "process_group.h"
 
 #include <algorithm>
@@ -26,6 +27,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupNCCL::collective(OpType type, const c
   const auto& tensors = ins.empty() ? outs : ins;
   check_distinct_gpus(tensors);
   if (!tensors.empty()) barrier_device_ = tensors[0].device().index();
+  if (shim_races().on && !tensors.empty() && tensors[0].is_cuda()) {  // --check-races (races.h)
+    work->set_race_order(barrier_device_, comm_stream(),
+                         shim_races().issue(barrier_device_, comm_stream(),
+                                            "the NCCL stream of process group '" + group_name() + "'", ins, outs,
+                                            profiling));
+  }
   timing_ = Timing{Clock::now() + timeout, timeout, describe_work(r), r.seq};
   r.started_ns = wall_ns();
   r.state = "started";

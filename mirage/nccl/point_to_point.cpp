@@ -5,6 +5,7 @@
 #include "process_group.h"
 
 #include "clock.h"
+#include "races.h"
 
 namespace mirage::nccl {
 
@@ -44,6 +45,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupNCCL::point_to_point(std::vector<at::
     p.profiled_from = shim_clock().profiler_wall_ns();
   }
   if (shim_clock().on && t.is_cuda()) clock_transfer(p, t, peer, sending);
+  if (shim_races().on && t.is_cuda()) {  // --check-races (races.h): a send reads, a receive writes
+    const std::vector<at::Tensor> none;
+    p.work->set_race_order(t.device().index(), p2p_stream(peer),
+                           shim_races().issue(t.device().index(), p2p_stream(peer),
+                                              "the NCCL stream of process group '" + group_name() +
+                                                  "' to and from rank " + std::to_string(peer),
+                                              sending ? tensors : none, sending ? none : tensors, profiling.c_str()));
+  }
   keep_trace(p.record);
   record(p.record, true);
   c10::intrusive_ptr<EmulatedWork> work = p.work;

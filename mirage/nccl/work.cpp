@@ -3,6 +3,7 @@
 #include "work.h"
 
 #include "clock.h"
+#include "races.h"
 
 #include <torch/csrc/distributed/c10d/ParamCommsUtils.hpp>
 
@@ -24,14 +25,18 @@ EmulatedWork::EmulatedWork(int rank, c10d::OpType type, const char* profiling_ti
   future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(), devices);
 }
 
+EmulatedWork::~EmulatedWork() {
+  if (race_order_) shim_races().release(race_order_);
+}
+
 void EmulatedWork::complete(std::exception_ptr error) {
   duration_ms_ = std::chrono::duration<float, std::milli>(Clock::now() - started_).count();
   if (error) {
     future_->setError(error);
-  } else if (clock_device_ >= 0) {
+  } else if (stream_device_ >= 0) {
     c10::StreamGuard on_comm_stream(
-        c10::Stream(c10::Stream::UNSAFE, c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(clock_device_)),
-                    clock_stream_));
+        c10::Stream(c10::Stream::UNSAFE, c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(stream_device_)),
+                    stream_));
     future_->markCompleted(c10::IValue(outputs_));
   } else {
     future_->markCompleted(c10::IValue(outputs_));
@@ -56,7 +61,8 @@ bool EmulatedWork::wait(std::chrono::milliseconds timeout) {
                     " timed out in blocking wait after " + std::to_string(timeout.count()) + " ms.");
   }
   if (exception_) std::rethrow_exception(exception_);
-  if (clock_device_ >= 0) shim_clock().current_stream_waits(clock_device_, end_ns_);  // the caller's stream waits
+  if (predicted_) shim_clock().current_stream_waits(stream_device_, end_ns_);  // the caller's stream waits
+  if (race_order_) shim_races().wait(race_order_, stream_device_);
   return true;
 }
 

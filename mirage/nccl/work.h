@@ -22,16 +22,26 @@ class EmulatedWork final : public c10d::Work {
                std::vector<at::Tensor> outputs, uint64_t seq, std::string description,
                std::tuple<std::string, std::string> group, int group_size);
 
+  ~EmulatedWork() override;
   // Clocked mode: the operation ends at `end_ns` on `stream` (its communicator's) of `device`.
   void set_predicted_end(int device, int64_t stream, int64_t end_ns) {
-    clock_device_ = device;
-    clock_stream_ = stream;
+    stream_device_ = device;
+    stream_ = stream;
     end_ns_ = end_ns;
+    predicted_ = true;
+  }
+  // --check-races: it ran on `stream` of `device`, and `order` (races.h) is what wait() orders the
+  // waiter's stream after.
+  void set_race_order(int device, int64_t stream, void* order) {
+    stream_device_ = device;
+    stream_ = stream;
+    race_order_ = order;
   }
 
   // Completes the work (and its future); an error is kept for wait() to raise. In clocked mode
-  // the future's events are recorded on the communicator's stream, as ProcessGroupNCCL's are,
-  // so whoever waits on the future (DDP's reducer) waits for the operation's predicted end.
+  // and with --check-races the future's events are recorded on the communicator's stream, as
+  // ProcessGroupNCCL's are, so whoever waits on the future (DDP's reducer) waits for the
+  // operation (its predicted end; its place in the streams' order).
   void complete(std::exception_ptr error = nullptr);
 
   std::vector<at::Tensor> result() override { return outputs_; }
@@ -56,8 +66,11 @@ class EmulatedWork final : public c10d::Work {
   float duration_ms_ = 0;
   bool timed_ = false;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
-  int clock_device_ = -1;  // clocked mode: where and when the operation ends
-  int64_t clock_stream_ = 0, end_ns_ = 0;
+  int stream_device_ = -1;  // clocked mode, --check-races: where the operation runs
+  int64_t stream_ = 0;
+  bool predicted_ = false;  // clocked mode: when it ends
+  int64_t end_ns_ = 0;
+  void* race_order_ = nullptr;  // --check-races
 };
 
 // A work made of others (the coalesced ops of a batch): complete when all of them are.

@@ -91,6 +91,7 @@ struct CachedBlock {
   char* host = nullptr;                  // private pools: the block's bytes (its segment's at its offset)
   CachedBlock* active_prev = nullptr;    // the allocated blocks' list (ActiveBlocks)
   CachedBlock* active_next = nullptr;
+  uint64_t serial = 0;                   // which allocation holds it (--check-races tells a reuse by it)
   bool is_split() const { return prev != nullptr || next != nullptr; }
 };
 

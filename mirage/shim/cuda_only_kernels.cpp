@@ -7,6 +7,8 @@
 // are written with ATen ops on the device tensors, so each step runs the CPU kernel in place
 // through the shim's fallback.
 
+#include "race_checker.h"
+
 #include <ATen/ATen.h>
 #include <ATen/AccumulateType.h>
 #include <torch/library.h>
@@ -129,8 +131,11 @@ Tensor batch_norm_backward_elemt(const Tensor& grad_out, const Tensor& input, co
 
 // Tensor.record_stream (FSDP, ZeRO-3 prefetch, overlap schemes): on a GPU it tells the caching
 // allocator not to reuse the block until the stream's queued work is done. Emulated work runs
-// when it is issued, so that work is done by the time the block is freed.
-void record_stream(Tensor& /*self*/, c10::Stream /*stream*/) {}
+// when it is issued, so that work is done by the time the block is freed; --check-races notes
+// it, since a block freed without it may be reused while the stream still works on it.
+void record_stream(Tensor& self, c10::Stream stream) {
+  if (mirage::races::on()) mirage::races::record_stream(self, stream);
+}
 
 // The fused LSTM cell: gates = input_gates + hidden_gates (+ both biases), i f g o activated,
 // cy = f*cx + i*g, hy = o*tanh(cy); the workspace keeps the activated gates for the backward.

@@ -4,6 +4,7 @@
 
 #include "device_clock.h"
 #include "gpu_trace.h"
+#include "race_checker.h"
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -21,6 +22,7 @@ c10::StreamId new_stream_id() { return g_next_stream_id++; }
 struct RecordedEvent {
   int64_t ns = 0;
   bool recorded = false;
+  std::shared_ptr<const races::VectorClock> order;  // --check-races: its stream's clock when recorded
 };
 
 struct MirageGuard final : c10::impl::DeviceGuardImplInterface {
@@ -67,6 +69,7 @@ struct MirageGuard final : c10::impl::DeviceGuardImplInterface {
     if (trace) (*trace)->trace_gpu_event_record(DeviceType::CUDA, trace_handle(*event), stream.id());
     auto* e = static_cast<RecordedEvent*>(*event);
     e->recorded = true;
+    if (C10_UNLIKELY(races::on())) e->order = races::snapshot(stream.device_index(), stream.id());
     if (timing()) {  // an idle stream reaches the record when the host issues it
       e->ns = std::max(stream_time(stream.device_index(), stream.id()), host_time());
     } else {
@@ -84,23 +87,35 @@ struct MirageGuard final : c10::impl::DeviceGuardImplInterface {
     if (!e) return;  // waiting for an event never recorded: nothing to wait for, as on CUDA
     if (auto* trace = gpu_trace()) (*trace)->trace_gpu_event_wait(DeviceType::CUDA, trace_handle(e), stream.id());
     if (timing() && e->recorded) stream_waits_for(stream.device_index(), stream.id(), e->ns);
+    if (C10_UNLIKELY(races::on()) && e->order) races::stream_waits(stream.device_index(), stream.id(), *e->order);
   }
-  bool queryEvent(void*) const override { return true; }
-  bool queryStream(const c10::Stream&) const override { return true; }
+  // Work is done when issued, so a query says done; the host may act on it as on a synchronisation.
+  bool queryEvent(void* event) const override {
+    auto* e = static_cast<RecordedEvent*>(event);
+    if (C10_UNLIKELY(races::on()) && e && e->order) races::host_waits(*e->order);
+    return true;
+  }
+  bool queryStream(const c10::Stream& stream) const override {
+    if (C10_UNLIKELY(races::on())) races::host_waits_for_stream(stream.device_index(), stream.id());
+    return true;
+  }
   void synchronizeStream(const c10::Stream& stream) const override {
     check_device_not_lost();
     if (auto* trace = gpu_trace()) (*trace)->trace_gpu_stream_synchronization(DeviceType::CUDA, stream.id());
     if (timing()) host_waits_for(stream_time(stream.device_index(), stream.id()));
+    if (C10_UNLIKELY(races::on())) races::host_waits_for_stream(stream.device_index(), stream.id());
   }
   void synchronizeEvent(void* event) const override {
     auto* e = static_cast<RecordedEvent*>(event);
     if (auto* trace = gpu_trace(); trace && e) (*trace)->trace_gpu_event_synchronization(DeviceType::CUDA, trace_handle(e));
     if (timing() && e && e->recorded) host_waits_for(e->ns);
+    if (C10_UNLIKELY(races::on()) && e && e->order) races::host_waits(*e->order);
   }
   void synchronizeDevice(const DeviceIndex device) const override {
     check_device_not_lost();
     if (auto* trace = gpu_trace()) (*trace)->trace_gpu_device_synchronization(DeviceType::CUDA);
     if (timing()) host_waits_for(device_time(device < 0 ? tl_device : device));
+    if (C10_UNLIKELY(races::on())) races::host_waits_for_device(device < 0 ? tl_device : device);
   }
   void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
   double elapsedTime(void* start, void* end, const DeviceIndex) const override {

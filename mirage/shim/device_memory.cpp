@@ -6,6 +6,8 @@
 #include "faults.h"
 
 #include "memory_history.h"
+#include "race_checker.h"
+#include "host_views.h"
 #include "session_table.h"
 #include "shared_device_memory.h"
 #include "device_guard.h"
@@ -164,6 +166,8 @@ CachedBlock* allocate_block(DeviceIndex dev, size_t nbytes) {
     block = g_caches[dev].allocate(nbytes, tl_stream[dev], reserve, release, nullptr, current_pool(dev));
   }
   if (!block) raise_oom(dev, static_cast<int64_t>(DeviceCache::segment_size_for(nbytes)));
+  static std::atomic<uint64_t> allocations{0};
+  block->serial = ++allocations;
   report_to_profiler(block->address, static_cast<int64_t>(block->size), dev);
   return block;
 }
@@ -171,6 +175,7 @@ CachedBlock* allocate_block(DeviceIndex dev, size_t nbytes) {
 void free_device_block(DeviceIndex dev, CachedBlock* block) {
   const uint64_t address = block->address;  // the block may merge with its neighbours once free
   const auto size = static_cast<int64_t>(block->size);
+  if (C10_UNLIKELY(races::on())) races::block_freed(dev, address, block->size, block->stream);
   if (C10_UNLIKELY(g_history.enabled.load(std::memory_order_relaxed))) {
     const Observer observe = history_observer(dev, gather_stack());
     g_caches[dev].free(block, &observe);
@@ -235,6 +240,16 @@ c10::DataPtr pool_block_data(DeviceIndex dev, CachedBlock* block) {
   }
   if (auto* trace = gpu_trace()) (*trace)->trace_gpu_memory_allocation(DeviceType::CUDA, trace_handle(block->host));
   return {block->host, block->host, &free_pool_block, c10::Device(DeviceType::CUDA, dev)};
+}
+
+const CachedBlock* device_block_of(const c10::DataPtr& data) {
+  if (data.get_deleter() == &free_block) return static_cast<const BlockHeader*>(data.get_context())->block;
+  if (data.get_deleter() == &free_pool_block) {
+    std::lock_guard<std::mutex> g(g_pool_blocks.mu);
+    auto it = g_pool_blocks.by_data.find(data.get());
+    return it == g_pool_blocks.by_data.end() ? nullptr : it->second.second;
+  }
+  return adopted_block(data);
 }
 
 struct DeviceMemoryAllocator final : c10::DeviceAllocator {

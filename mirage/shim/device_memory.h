@@ -24,6 +24,9 @@ extern std::array<DeviceCache, kMaxDevices> g_caches;
 // A block of the device's caching allocator for `nbytes`; raises the allocator's OOM error.
 CachedBlock* allocate_block(DeviceIndex dev, size_t nbytes);
 void free_device_block(DeviceIndex dev, CachedBlock* block);
+// The allocator model's block behind a device storage's bytes (null: not the allocator's, e.g.
+// memory shared from another process).
+const CachedBlock* device_block_of(const c10::DataPtr& data);
 // A segment's bytes leave this process's (and the session's) count of the device's memory.
 void release_segment_bytes(DeviceIndex dev, size_t bytes);
 

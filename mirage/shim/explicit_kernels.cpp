@@ -13,6 +13,7 @@
 #include "device_clock.h"
 #include "op_cost.h"
 #include "profiler_activities.h"
+#include "race_checker.h"
 
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
@@ -102,6 +103,16 @@ static at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool non_block
                               0, tl_stream[dev], WorkKind::kCopy, dev}, began, launch);
   }
   if (timing() && (self.is_cuda() || src.is_cuda())) clock_copy(self, src, non_blocking);
+  if (C10_UNLIKELY(races::on()) && dev >= 0 && tl_kernel_depth == 0) {  // --check-races (race_checker.h)
+    races::Kernel kernel(!self.is_cuda() ? "Memcpy DtoH (copy_)" : src.is_cuda() ? "Memcpy DtoD (copy_)"
+                                                                                   : "Memcpy HtoD (copy_)",
+                         dev, tl_stream[dev]);
+    kernel.read(src);
+    kernel.write(self);
+    // a copy to the host returns once done, unless non-blocking into pinned memory
+    if (!self.is_cuda() && !(non_blocking && self.is_pinned())) kernel.host_reads_result();
+    kernel.commit();
+  }
   return self;
 }
 

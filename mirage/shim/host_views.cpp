@@ -86,6 +86,10 @@ static void release_adopted(void* ctx) {
   delete a;
 }
 
+const CachedBlock* adopted_block(const c10::DataPtr& data) {
+  return data.get_deleter() == &release_adopted ? static_cast<const AdoptedBytes*>(data.get_context())->block : nullptr;
+}
+
 // The device memory a fresh CPU result of `nbytes` at `data` becomes: the same bytes with a block
 // of the device's allocator (no copy), or, inside a private pool (use_mem_pool, a cudagraph
 // tree's warm-up), the pool block's bytes, where the result is copied so that its address is

@@ -18,6 +18,9 @@ void recycle_alias(at::Tensor&& alias);
 at::Tensor on_storage(c10::Storage storage, const at::Tensor& geometry);
 // A device storage over a fresh CPU result's bytes, the CPU storage kept alive inside it.
 c10::Storage adopt_storage(const c10::Storage& cpu, DeviceIndex dev);
+// The allocator model's block of a kernel's result adopted as device memory (null: not one).
+struct CachedBlock;
+const CachedBlock* adopted_block(const c10::DataPtr& data);
 // Re-labels a kernel's fresh CPU result as a device tensor in place; false: not possible.
 bool relabel_in_place(at::Tensor& out, DeviceIndex dev);
 // After a CPU kernel wrote into `alias` (in-place or out=), make `orig` reflect any resize.

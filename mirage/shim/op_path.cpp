@@ -12,6 +12,7 @@
 #include "host_views.h"
 #include "op_cost.h"
 #include "profiler_activities.h"
+#include "race_checker.h"
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -62,6 +63,7 @@ struct OpTraits {
   // given): `grads_unscaled_by` is then grad_scale's index, and grads' is in unreturned_writes.
   c10::SmallVector<uint32_t, 4> unreturned_writes;
   int32_t grads_unscaled_by = -1;
+  uint64_t written = 0;  // bit i: argument i is written (Tensor(a!)), for --check-races
 };
 
 static const OpTraits& traits_of(const c10::FunctionSchema& schema) {
@@ -81,16 +83,15 @@ static const OpTraits& traits_of(const c10::FunctionSchema& schema) {
         traits.unreturned_writes.push_back(i);
       }
       if (args[i].name() == "grad_scale") traits.grads_unscaled_by = static_cast<int32_t>(i);
+      if (i < 64 && args[i].alias_info() && args[i].alias_info()->isWrite()) traits.written |= uint64_t{1} << i;
     }
     const auto& returns = schema.returns();
     traits.returns_view = !returns.empty() && returns[0].alias_info() && !returns[0].alias_info()->isWrite();
-    if (timing()) {
-      static const std::unordered_set<std::string> synchronizing{
-          "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique_dim",
-          "aten::_unique2", "aten::unique_consecutive", "aten::equal", "aten::is_nonzero"};
-      traits.has_flops = has_flop_formula(schema);
-      traits.synchronizes = synchronizing.count(schema.name()) != 0;
-    }
+    static const std::unordered_set<std::string> synchronizing{
+        "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique_dim",
+        "aten::_unique2", "aten::unique_consecutive", "aten::equal", "aten::is_nonzero"};
+    traits.synchronizes = synchronizing.count(schema.name()) != 0;
+    if (timing()) traits.has_flops = has_flop_formula(schema);
   }
   return traits;
 }
@@ -220,6 +221,7 @@ struct OpCall {
   const OpTraits& traits;
   torch::jit::Stack* stack;
   c10::SmallVector<Aliased, 8> aliased;
+  c10::SmallVector<bool, 8> aliased_written;  // --check-races: whether the kernel writes aliased[i]
   DeviceIndex device = -1;
   int64_t bytes = 0;                    // what the kernel reads and writes (clocked mode)
   std::vector<c10::IValue> arguments;   // kept for the FLOP formula (clocked mode)
@@ -231,6 +233,8 @@ struct OpCall {
     if (C10_UNLIKELY(traits.has_flops)) arguments.assign(stack->begin() + base, stack->end());
     bool has_cpu_tensor = false;
     const bool count_bytes = timing();
+    const bool check_races = races::on();
+    bool writing = false;  // the argument being converted is written
     c10::Device cpu_device(DeviceType::CPU);
     auto convert = [&](const at::Tensor& t, bool allow_cpu) -> at::Tensor {
       if (!t.defined()) return t;
@@ -251,10 +255,12 @@ struct OpCall {
       if (count_bytes) bytes += static_cast<int64_t>(t.numel() * t.itemsize());
       at::Tensor a = cpu_alias(t);
       aliased.push_back({t, a});
+      if (C10_UNLIKELY(check_races)) aliased_written.push_back(writing);
       return a;
     };
     for (size_t i = 0; i < traits.num_args; ++i) {
       c10::IValue& iv = (*stack)[base + i];
+      writing = i < 64 && ((traits.written >> i) & 1);
       if (iv.isTensor()) {
         iv = convert(iv.toTensor(), false);
       } else if (iv.isTensorList()) {
@@ -348,6 +354,38 @@ struct OpCall {
     clock_kernel(op, traits, device, dtype(), bytes, arguments, stack->data() + (stack->size() - traits.num_returns));
   }
 
+  // --check-races: the kernel reads and writes its arguments as its schema says and writes its fresh
+  // results, on the current stream; the host waits for it where a GPU's would (.item()).
+  void check_races() {
+    races::Kernel kernel(op.schema().name().c_str(), device, tl_stream[device]);
+    for (size_t i = 0; i < aliased.size(); ++i) {
+      if (aliased_written[i]) {
+        kernel.write(aliased[i].orig);
+      } else {
+        kernel.read(aliased[i].orig);
+      }
+    }
+    const size_t ret_base = stack->size() - traits.num_returns;
+    auto fresh = [&](const at::Tensor& out) {
+      if (!out.defined() || !out.is_cuda()) return out;
+      for (const auto& a : aliased) {
+        if (a.orig.is_alias_of(out)) return out;  // an argument it wrote, counted above
+      }
+      kernel.write(out);
+      return out;
+    };
+    for (size_t i = 0; i < traits.num_returns; ++i) {
+      c10::IValue& iv = (*stack)[ret_base + i];
+      if (iv.isTensor()) {
+        fresh(iv.toTensor());
+      } else {
+        map_tensor_lists(iv, fresh);
+      }
+    }
+    if (traits.synchronizes) kernel.host_reads_result();
+    kernel.commit();
+  }
+
   // Aliases nobody kept go back to the thread's spares.
   void release_aliases() {
     for (auto& a : aliased) {
@@ -380,6 +418,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
                               WorkKind::kCompute, call.device, call.dtype()}, began, launch);
   }
   call.adopt_results();           // memory accounting (the allocator model)
+  if (C10_UNLIKELY(races::on()) && !traits.returns_view) call.check_races();  // --check-races (race_checker.h)
   if (timing()) call.clock();     // the predicted timeline
   call.release_aliases();
 }

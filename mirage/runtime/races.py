@@ -1,0 +1,44 @@
+"""What a `--check-races` report says a tensor is, where Python knows it.
+
+The checker (mirage/shim/race_checker.cpp) sees storages and addresses; a user thinks in
+parameters and gradients. When it reports a race it asks `owner_of` here, once per report, so
+the search through the program's modules costs nothing while no race is found.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's (FSDP2's sharded parameter's) local shard; any other tensor itself."""
+    return getattr(tensor, "_local_tensor", tensor)
+
+
+def _storage_address(tensor: torch.Tensor | None) -> int | None:
+    if tensor is None or not isinstance(tensor, torch.Tensor):
+        return None
+    try:
+        return _local(tensor).untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a fake or storage-less tensor
+        return None
+
+
+def owner_of(address: int) -> str:
+    """'parameter 'net.0.weight' of Net', 'gradient of ...', 'buffer ...': the first module tree
+    holding a tensor whose storage's bytes are at `address`; '' if none does."""
+    modules = [obj for obj in gc.get_objects() if isinstance(obj, torch.nn.Module)]
+    children = {id(child) for module in modules for child in module.children()}
+    for root in (module for module in modules if id(module) not in children):
+        owner = type(root).__name__
+        for name, parameter in root.named_parameters(remove_duplicate=False):
+            if _storage_address(parameter) == address:
+                return f"parameter '{name}' of {owner}"
+            if _storage_address(parameter.grad) == address:
+                return f"gradient of parameter '{name}' of {owner}"
+        for name, buffer in root.named_buffers(remove_duplicate=False):
+            if _storage_address(buffer) == address:
+                return f"buffer '{name}' of {owner}"
+    return ""
