@@ -33,8 +33,9 @@ def assets(tmp_path_factory, torchtitan_path) -> Path:
 
 
 def train(assets: Path, torchtitan_path: Path, triton_path: Path, gpus: int, *flags: str,
-          steps: int = STEPS, workdir: Path | None = None) -> dict[int, float]:
-    """`torchrun -m torchtitan.train` under mirage; the loss of each step, from torchtitan's own line."""
+          steps: int = STEPS, workdir: Path | None = None, mirage_flags: tuple[str, ...] = ()) -> dict[int, float]:
+    """`torchrun -m torchtitan.train` under mirage (with `mirage_flags`); the loss of each step, from
+    torchtitan's own line."""
     command = ["torchrun", "--standalone", f"--nproc_per_node={gpus}", "-m", "torchtitan.train",
                "--model.name", "llama3", "--model.flavor", "debugmodel",
                *torchtitan_setup.data_flags(assets),
@@ -42,7 +43,7 @@ def train(assets: Path, torchtitan_path: Path, triton_path: Path, gpus: int, *fl
                "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "2e-3", "--metrics.log_freq", "1", "--metrics.disable_color_printing",
                "--job.dump_folder", str(workdir or assets / "outputs"), *flags]
     env = {**os.environ, "PYTHONPATH": f"{torchtitan_path}:{triton_path}"}
-    result = mirage("run", "--quiet", "--profile", "h100", "--gpus-per-node", str(gpus), "--", *command,
+    result = mirage("run", "--quiet", "--profile", "h100", "--gpus-per-node", str(gpus), *mirage_flags, "--", *command,
                     env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
     losses = {int(step): float(loss) for step, loss in

@@ -110,7 +110,11 @@ static at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool non_block
     kernel.read(src);
     kernel.write(self);
     // a copy to the host returns once done, unless non-blocking into pinned memory
-    if (!self.is_cuda() && !(non_blocking && self.is_pinned())) kernel.host_reads_result();
+    if (!self.is_cuda() && non_blocking && self.is_pinned()) {
+      kernel.write_host(self);
+    } else if (!self.is_cuda()) {
+      kernel.host_reads_result();
+    }
     kernel.commit();
   }
   return self;

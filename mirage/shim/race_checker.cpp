@@ -7,6 +7,8 @@
 #include <Python.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/profiler/combined_traceback.h>
+#include <torch/library.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <unistd.h>
 
@@ -72,6 +74,7 @@ struct StreamState {
 struct Race {
   Access earlier, later;
   bool earlier_wrote, later_wrote;
+  bool by_host = false;  // the later access is a host op's
   std::string earlier_stream, later_stream;
   DeviceIndex device;
   const void* data;  // the later access's bytes (for naming its owner)
@@ -86,6 +89,13 @@ struct State {
   std::array<std::map<uint64_t, Segment>, kMaxDevices> shadow;
   std::unordered_map<uint64_t, c10::SmallVector<int32_t, 2>> recorded;  // block -> record_stream's streams
   std::unordered_set<std::string> reported;
+  // Host memory a non-blocking copy writes once its stream gets there (Kernel::write_host).
+  struct PendingHost {
+    uintptr_t lo, hi;
+    DeviceIndex device;
+    Access access;
+  };
+  std::vector<PendingHost> pending_host;
 };
 
 State& state() {
@@ -292,7 +302,12 @@ void report(const Race& race) {
       << "  tensor: " << describe_tensor(race.later) << (owner.empty() ? "" : ", " + owner) << "\n";
   if (reuse) out << "  its memory was last used by another tensor, " << describe_tensor(race.earlier)
                  << ", freed while a stream may still have used it\n";
-  out << "  now:     " << later.kernel << " " << verb(race.later_wrote, false) << " it on " << race.later_stream << "\n"
+  if (race.by_host) {
+    out << "  now:     the host reads it (" << later.kernel << ")\n";
+  } else {
+    out << "  now:     " << later.kernel << " " << verb(race.later_wrote, false) << " it on " << race.later_stream << "\n";
+  }
+  out
       << "  earlier: " << earlier.kernel << " " << verb(race.earlier_wrote, true) << " "
       << (reuse ? "that memory" : "it") << " on " << race.earlier_stream << "\n"
       << "  and nothing orders the two: on a GPU they may run at the same time, and the result changes from run "
@@ -305,7 +320,7 @@ void report(const Race& race) {
   std::fflush(stderr);
   if (g_mode == Mode::kError) {
     TORCH_CHECK(false, "mirage --check-races: ", kind, " on ", describe_tensor(race.later), ": ", earlier.kernel,
-                " on ", race.earlier_stream, ", then ", later.kernel, " on ", race.later_stream,
+                " on ", race.earlier_stream, ", then ", later.kernel, " on ", race.by_host ? "the host" : race.later_stream,
                 " (the report above; --check-races=warn reports and goes on)");
   }
 }
@@ -390,8 +405,17 @@ void Kernel::commit(bool collective) {
       merge(s.host, s.streams[slot].clock);
       ++s.host_epoch;
     }
+    if (host_target_.defined() && host_target_.numel() > 0) {
+      const auto lo = reinterpret_cast<uintptr_t>(host_target_.data_ptr());
+      s.pending_host.push_back({lo, lo + static_cast<uintptr_t>(host_target_.nbytes()), dev_,
+                                Access{slot, tick, 0, issuer, host_target_.scalar_type(),
+                                       c10::SmallVector<int64_t, 4>(host_target_.sizes().begin(),
+                                                                    host_target_.sizes().end())}});
+      c10::impl::tls_set_dispatch_key_included(c10::DispatchKey::TESTING_ONLY_GenericMode, true);
+    }
   }
   uses_.clear();
+  host_target_.reset();
   if (race) report(*race);
 }
 
@@ -437,7 +461,57 @@ void name_stream(DeviceIndex dev, int64_t stream, std::string name) {
                                              std::to_string(dev) + ")";
 }
 
+// Every op of a thread that left a non-blocking copy into host memory pending passes here (the
+// thread-local TESTING_ONLY_GenericMode key, set by Kernel::commit, cleared once nothing is
+// pending): a CPU tensor among its arguments over pending bytes is a host read the GPU may not
+// have written yet.
+void host_op(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  State& s = state();
+  std::optional<Race> race;
+  {
+    std::lock_guard<std::mutex> g(s.mu);
+    auto& pending = s.pending_host;
+    pending.erase(std::remove_if(pending.begin(), pending.end(),
+                                 [&](const State::PendingHost& p) { return entry(s.host, p.access.slot) >= p.access.tick; }),
+                  pending.end());
+    const size_t num_args = op.schema().arguments().size();
+    for (size_t i = stack->size() - num_args; i < stack->size() && !race && !pending.empty(); ++i) {
+      const c10::IValue& iv = (*stack)[i];
+      if (!iv.isTensor() || !iv.toTensor().defined() || iv.toTensor().is_cuda() || !iv.toTensor().has_storage()) continue;
+      const at::Tensor& t = iv.toTensor();
+      const auto lo = reinterpret_cast<uintptr_t>(t.storage().data());
+      const uintptr_t hi = lo + t.storage().nbytes();
+      for (const auto& p : pending) {
+        if (p.lo < hi && lo < p.hi) {
+          Access host{-1, 0, 0, nullptr, t.scalar_type(), c10::SmallVector<int64_t, 4>(t.sizes().begin(), t.sizes().end())};
+          race = Race{p.access, std::move(host), true, false, true};
+          race->earlier_stream = s.streams[p.access.slot].name;
+          race->later_stream = "the host";
+          race->device = p.device;
+          race->data = t.storage().data();
+          break;
+        }
+      }
+    }
+    if (pending.empty()) c10::impl::tls_set_dispatch_key_included(c10::DispatchKey::TESTING_ONLY_GenericMode, false);
+  }
+  if (race) {
+    auto issuer = std::make_shared<Issuer>();
+    issuer->kernel = op.schema().name();
+    issuer->host_reads = true;
+    issuer->stack = gather();
+    race->later.issuer = std::move(issuer);
+    report(*race);
+  }
+  op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::TESTING_ONLY_GenericMode),
+                     stack);
+}
+
 }  // namespace mirage::races
+
+TORCH_LIBRARY_IMPL(_, TESTING_ONLY_GenericMode, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&mirage::races::host_op>());
+}
 
 // The emulated NCCL's half (mirage/nccl, which finds these through dlsym): a collective or a
 // point-to-point transfer issued on `stream` (its communicator's) of `device`, whose inputs it

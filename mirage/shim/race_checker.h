@@ -54,6 +54,9 @@ class Kernel {
   Kernel(const char* name, DeviceIndex dev, int64_t stream);
   void read(const at::Tensor& t) { add(t, false); }
   void write(const at::Tensor& t) { add(t, true); }
+  // A non-blocking copy into pinned host memory: the GPU writes `host` when the stream gets there,
+  // so a host op reading it before a synchronisation that covers the copy races with it.
+  void write_host(const at::Tensor& host) { host_target_ = host; }
   // The host reads what the kernel produced once it ends (.item(), a synchronous copy to host):
   // the host is then ordered after the stream.
   void host_reads_result() { host_sync_ = true; }
@@ -71,6 +74,7 @@ class Kernel {
   DeviceIndex dev_;
   int64_t stream_;
   bool host_sync_ = false;
+  at::Tensor host_target_;
   c10::SmallVector<Use, 6> uses_;
 };
 

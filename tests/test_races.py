@@ -1,0 +1,152 @@
+"""`mirage run --check-races` (issue 36): what a GPU would run in an order the program does not
+ensure is reported deterministically, naming the rank, the op, the tensor and both accesses'
+lines, and the run fails; `=warn` only reports; without it the same programs run and give the
+right answer, as emulated kernels run in order. Correct programs, from DDP to FSDP2, tensor and
+pipeline parallelism in torchtitan and Megatron-core, report nothing.
+
+The seeded bugs are tests/workloads/races/*.py, one per kind the checker covers."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from conftest import mirage
+from test_megatron import megatron_path  # noqa: F401 (a fixture)
+from test_torchtitan import STEPS, assets, torchtitan_path, train  # noqa: F401 (fixtures)
+
+RACES = "tests/workloads/races"
+REPORT = "mirage --check-races: a data race on"
+
+
+def run(*flags: str, ranks: int = 1) -> tuple[int, str, str]:
+    command = (["torchrun", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else ["python"])
+    result = mirage("run", "--quiet", "--gpus-per-node", str(max(ranks, 1)), *flags[:-1], "--", *command,
+                    *flags[-1].split(), timeout=300)
+    return result.returncode, result.stdout, result.stderr
+
+
+def reports(stderr: str) -> list[str]:
+    """Each report's text, header to footer."""
+    return re.findall(r"={16} mirage --check-races: a data race on .*?\n={16} \(mirage runs", stderr, re.S)
+
+
+def accesses(report: str) -> tuple[str, str]:
+    """The 'now' and 'earlier' stack sections of a report."""
+    now = report.split("  now, from:\n")[1].split("  earlier, from:\n")[0]
+    return now, report.split("  earlier, from:\n")[1]
+
+
+@pytest.mark.parametrize("program, kind, now, earlier, now_line, earlier_line", [
+    pytest.param("cpu_read.py", "a CPU read of device memory with no synchronisation",
+                 "aten::_local_scalar_dense reads it on the default stream of cuda:0",
+                 "aten::sum wrote it on stream", 16, 13, id="item-of-a-side-streams-result"),
+    pytest.param("memory_reuse.py", "memory reuse across streams", "aten::zero_ writes it on the default stream",
+                 "aten::mul read that memory on stream", 18, 14, id="freed-without-record-stream"),
+    pytest.param("side_stream.py", "stream ordering", "aten::mm reads it on stream",
+                 "aten::fill_ wrote it on the default stream", 16, 12, id="parameter-read-on-a-side-stream"),
+    pytest.param("pinned_copy.py", "a CPU read of device memory with no synchronisation",
+                 "the host reads it (aten::sum)", "Memcpy DtoH (copy_) wrote it on the default stream", 15, 12,
+                 id="non-blocking-copy-read-before-synchronize"),
+])
+def test_a_seeded_race_fails_the_run_with_both_lines(program, kind, now, earlier, now_line, earlier_line):
+    code, stdout, stderr = run("--check-races", f"{RACES}/{program}")
+    assert code == 1 and "result" not in stdout, stderr[-3000:]
+    [report] = reports(stderr)
+    assert f"({kind})" in report and now in report and earlier in report, report
+    now_stack, earlier_stack = accesses(report)
+    assert f'{program}", line {now_line}' in now_stack and f'{program}", line {earlier_line}' in earlier_stack, report
+    assert f"RuntimeError: mirage --check-races: {kind}" in stderr
+
+
+def test_a_report_names_the_parameter():
+    _, _, stderr = run("--check-races", f"{RACES}/side_stream.py")
+    [report] = reports(stderr)
+    assert "tensor: float32[64, 64], parameter 'weight' of Linear" in report, report
+
+
+@pytest.mark.parametrize("program, answer", [
+    ("cpu_read.py", "result 1024.0"), ("memory_reuse.py", "result 1.0 0.0"), ("side_stream.py", "result 128.0"),
+    ("pinned_copy.py", "result 4096.0"),
+])
+def test_without_the_checker_the_same_programs_give_the_right_answer(program, answer):
+    for flags in ((), ("--check-races=off",)):
+        code, stdout, stderr = run(*flags, f"{RACES}/{program}")
+        assert code == 0 and stdout.strip() == answer and REPORT not in stderr, stderr[-3000:]
+
+
+@pytest.mark.parametrize("program", ["cpu_read.py ordered", "memory_reuse.py recorded", "side_stream.py ordered",
+                                     "pinned_copy.py synchronized"])
+def test_the_corrected_programs_report_nothing(program):
+    code, stdout, stderr = run("--check-races", f"{RACES}/{program}")
+    assert code == 0 and stdout.startswith("result") and REPORT not in stderr, stderr[-3000:]
+
+
+def test_warn_reports_and_goes_on():
+    code, stdout, stderr = run("--check-races=warn", f"{RACES}/side_stream.py")
+    assert code == 0 and stdout.strip() == "result 128.0", stderr[-3000:]
+    assert len(reports(stderr)) == 1 and "RuntimeError" not in stderr
+
+
+@pytest.mark.parametrize("misuse, line", [
+    ("write", 18),  # its input written before work.wait()
+    ("read", 21),   # its output read before work.wait()
+])
+def test_an_async_collectives_tensor_used_before_its_wait_is_reported_on_every_rank(misuse, line):
+    code, stdout, stderr = run("--check-races", f"{RACES}/async_collective.py {misuse}", ranks=2)
+    assert code != 0, stderr[-3000:]
+    found = reports(stderr)
+    assert {re.search(r"on rank (\d)", r).group(1) for r in found} == {"0", "1"}, stderr[-3000:]
+    for report in found:
+        assert "(an async collective's tensor used before its wait)" in report
+        assert "nccl:all_reduce wrote it on the NCCL stream of process group" in report
+        now_stack, earlier_stack = accesses(report)
+        assert f'async_collective.py", line {line}' in now_stack
+        assert 'async_collective.py", line 16' in earlier_stack  # dist.all_reduce(..., async_op=True)
+
+
+def test_an_async_collective_waited_for_reports_nothing_and_is_right():
+    code, stdout, stderr = run("--check-races", f"{RACES}/async_collective.py ordered", ranks=2)
+    assert code == 0 and "result 2.0 expected 2.0" in stdout and REPORT not in stderr, stderr[-3000:]
+
+
+def test_an_unknown_mode_and_predict_only_are_refused():
+    result = mirage("run", "--check-races=sometimes", "--", "python", "-c", "pass")
+    assert result.returncode == 2 and "invalid choice: 'sometimes' (choose from 'error', 'warn', 'off')" in result.stderr
+    result = mirage("run", "--check-races", "--timing", "--predict-only", "--", "python", "-c", "pass")
+    assert result.returncode == 2 and "--check-races with --predict-only" in result.stderr
+
+
+def test_ddp_fsdp2_and_tensor_parallel_report_nothing():
+    result = mirage("run", "--quiet", "--nproc-per-node", "4", "--gpus-per-node", "4", "--check-races", "--",
+                    "python", "tests/workloads/parallelisms.py", timeout=600)
+    assert result.returncode == 0 and "[0] parallelisms_ok" in result.stdout, result.stderr[-3000:]
+    assert REPORT not in result.stderr
+
+
+def test_megatron_core_with_tensor_and_pipeline_parallelism_reports_nothing(megatron_path):  # noqa: F811
+    result = mirage("run", "--quiet", "--profile", "mi300x", "--nproc-per-node", "4", "--gpus-per-node", "4",
+                    "--check-races", "--env", "MEGATRON_TP=2", "--env", "MEGATRON_PP=2", "--",
+                    "python", "tests/workloads/megatron_gpt.py",
+                    env={**os.environ, "PYTHONPATH": str(megatron_path)}, timeout=600)
+    assert result.returncode == 0 and " losses " in result.stdout, result.stdout[-2000:] + result.stderr[-3000:]
+    assert REPORT not in result.stderr
+
+
+@pytest.mark.parametrize("flags", [
+    pytest.param([], id="fsdp"),
+    pytest.param(["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"],
+                 marks=pytest.mark.slow, id="tp"),
+    pytest.param(["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
+                  "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], marks=pytest.mark.slow,
+                 id="pp-interleaved"),
+    pytest.param(["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "2"],
+                 marks=pytest.mark.slow, id="cp"),
+    pytest.param(["--activation_checkpoint.mode", "full"], marks=pytest.mark.slow, id="full-ac"),
+])
+def test_torchtitan_reports_nothing(assets, torchtitan_path, triton_path, flags, tmp_path):  # noqa: F811
+    losses = train(assets, torchtitan_path, triton_path, 2, *flags, workdir=tmp_path,
+                   mirage_flags=("--check-races",))
+    assert sorted(losses) == list(range(1, STEPS + 1))
