@@ -5,13 +5,16 @@ without mirage, against `mirage run -- python train.py` on `cuda`. Run it with t
 python, outside mirage (it starts mirage itself):
 
     .venv/bin/python bench/train_step.py [--steps 20] [--warmup 3] [--threads default 1]
-                                         [--workload mlp small llama module_db]
+                                         [--workload mlp small llama module_db] [--timed] [--check-races]
 
 Each workload runs in three processes at once, started from the same seed, doing identical work:
 
   native     python bench/train_step.py --worker ... --device cpu          (no mirage: the baseline)
   emulated   mirage run -- python bench/train_step.py ... --device cuda    (the emulated GPU)
   mirage-cpu mirage run -- python bench/train_step.py ... --device cpu     (CPU work inside a mirage process)
+
+and with --timed / --check-races the emulated side again under `mirage run --timing` /
+`--check-races`, whose ratio is to the plain emulated step of the same round (what the mode costs).
 
 The driver (this script) hands out one step at a time over a Unix socket, round-robin with the
 order rotating each round, so the three processes see the same machine noise while only one of
@@ -70,8 +73,12 @@ WORKLOADS: dict[str, tuple[str, dict[str, float | None]]] = {
 }
 MIRAGE_CPU_TARGET = 1.05  # CPU work inside a mirage process, against the native process
 SIDES = ("native", "emulated", "mirage-cpu")
-TIMED = "timed"  # --timed: the emulated side again under clocked mode (mirage run --timing)
-TIMED_TARGET = 1.15  # clocked mode costs at most this much of the untimed emulated step
+# The emulated side again with a mode of mirage run on, timed against the plain emulated step of
+# the same round: side name -> (its mirage run flags, target ratio, what it is).
+VARIANTS: dict[str, tuple[list[str], float, str]] = {
+    "timed": (["--timing"], 1.15, "clocked mode (--timing)"),  # --timed
+    "checked": (["--check-races"], 1.3, "the race checker (--check-races)"),  # --check-races
+}
 SETTLE_S = 0.02  # pause between two steps: the last step's OpenMP workers stop spinning
 
 
@@ -157,7 +164,7 @@ def worker(name: str, side: str, address: str) -> int:
     """Connects to the driver, builds the workload, then runs one step per request."""
     import torch
 
-    device = torch.device("cuda" if side in ("emulated", TIMED) else "cpu")
+    device = torch.device("cuda" if side == "emulated" or side in VARIANTS else "cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs mirage: run under `mirage run`")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -234,13 +241,13 @@ def worker_command(side: str, workload: str, address: str, mirage_args: list[str
              "--address", address]
     if side == "native":
         return inner
-    timed = ["--timing"] if side == TIMED else []
-    return [sys.executable, "-m", "mirage", "run", "--quiet", "--gpus-per-node", "1", *timed, *mirage_args, "--", *inner]
+    mode = VARIANTS[side][0] if side in VARIANTS else []
+    return [sys.executable, "-m", "mirage", "run", "--quiet", "--gpus-per-node", "1", *mode, *mirage_args, "--", *inner]
 
 
 def measure(workload: str, threads: str, steps: int, warmup: int, scratch: Path, mirage_args: list[str],
             names: tuple[str, ...] = SIDES) -> dict:
-    """Runs one workload at one thread setting in the three (or with --timed four) processes,
+    """Runs one workload at one thread setting in the three processes (and the variants asked for),
     interleaved."""
     import torch  # only to compare the weights at the end
 
@@ -299,8 +306,8 @@ def measure(workload: str, threads: str, steps: int, warmup: int, scratch: Path,
                         for k, a in weights[side.name].items() if a.is_floating_point()), default=0.0)
         target = (None if side.name == "native" else
                   targets[threads if threads in targets else "default"] if side.name == "emulated" else
-                  TIMED_TARGET if side.name == TIMED else MIRAGE_CPU_TARGET)
-        if side.name == TIMED:  # against the untimed emulated step of the same round
+                  VARIANTS[side.name][1] if side.name in VARIANTS else MIRAGE_CPU_TARGET)
+        if side.name in VARIANTS:  # against the plain emulated step of the same round
             emulated = next(s for s in sides if s.name == "emulated")
             ratios = [w / e for w, e in zip(side.wall, emulated.wall)]
         ratio = statistics.median(ratios)
@@ -339,8 +346,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="an option for `mirage run` of the mirage sides (repeatable), e.g. --mirage-arg=--in-process")
     ap.add_argument("--timed", action="store_true",
                     help="also run the emulated side under clocked mode (--timing); its ratio is to the untimed side")
+    ap.add_argument("--check-races", action="store_true",
+                    help="also run the emulated side with --check-races; its ratio is to the unchecked side")
     ap.add_argument("--worker", choices=list(WORKLOADS), help=argparse.SUPPRESS)
-    ap.add_argument("--side", choices=SIDES + (TIMED,), help=argparse.SUPPRESS)
+    ap.add_argument("--side", choices=SIDES + tuple(VARIANTS), help=argparse.SUPPRESS)
     ap.add_argument("--address", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -364,8 +373,9 @@ def main(argv: list[str] | None = None) -> int:
                 steps = max(3, args.steps // 4) if workload == "module_db" else args.steps
                 warmup = min(args.warmup, 1) if workload == "module_db" else args.warmup
                 try:
+                    variants = (("timed",) if args.timed else ()) + (("checked",) if args.check_races else ())
                     results.append(measure(workload, threads, steps, warmup, Path(scratch), args.mirage_arg,
-                                           SIDES + ((TIMED,) if args.timed else ())))
+                                           SIDES + variants))
                 except RuntimeError as error:
                     print(f"train_step: {workload} at {threads} threads failed: {error}", file=sys.stderr)
                     return 1
@@ -386,10 +396,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{e['target'] or float('nan'):>7.2f} {verdict(e):<4} {m['median_ms']:>14.2f} {m['ratio']:>7.3f} "
               f"{verdict(m):<4} {e['steps_per_s']:>12.2f} "
               f"{'-' if e['max_param_diff'] is None else format(e['max_param_diff'], '.1e'):>8}")
-        if TIMED in r["sides"]:
-            timed = r["sides"][TIMED]
-            print(f"{'':<10} {'':>7} timed (--timing) {timed['median_ms']:.2f} ms: {timed['ratio']:.3f} x the untimed "
-                  f"emulated step (target {TIMED_TARGET}) {verdict(timed)}")
+        for name, (_, target, what) in VARIANTS.items():
+            if name in r["sides"]:
+                variant = r["sides"][name]
+                print(f"{'':<10} {'':>7} with {what} {variant['median_ms']:.2f} ms: {variant['ratio']:.3f} x the plain "
+                      f"emulated step (target {target}) {verdict(variant)}")
     print("JSON " + json.dumps(info))
     save(info)
     return 0 if all(s["ok"] is not False for r in results for s in r["sides"].values()) else 3

@@ -21,10 +21,11 @@
 //   flight_recorder.cpp the feed: a JSON line per start and end to the session, the trace buffer,
 //                       profiler events named as NCCL's ("nccl:all_reduce")
 //   clock.cpp           clocked mode: the communicator's streams and each operation's predicted end
+//   races.cpp           --check-races: each operation's reads and writes on its stream (races.h)
 //
 // Collectives run to completion in the calling thread, in issue order: on a GPU they would run
-// in issue order on the communicator's stream, and the caller could not touch their buffers
-// before waiting anyway. Point-to-point operations go to a worker thread that moves every
+// in issue order on the communicator's stream, and a caller that touches their buffers before
+// waiting races with them there (--check-races reports it). Point-to-point operations go to a worker thread that moves every
 // pending send and receive at once, as NCCL's stream would, so isend/irecv in any order and
 // batch_isend_irecv never deadlock.
 #pragma once

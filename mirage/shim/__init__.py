@@ -26,6 +26,8 @@ torch_openreg's runtime is split:
     faults.*             faults on purpose: an op, allocation or collective that kills, stalls
                          or runs out of memory (mirage run --fault)
     cuda_only_kernels.cpp, fused_attention.cpp  CUDA-only operators written over ATen
+    race_checker.*       mirage run --check-races: each kernel's reads and writes checked
+                         against a shadow of device memory and the streams' vector clocks
     profiler_activities.*  torch.profiler's GPU side: kernels, memcpys and launches handed to
                          Kineto through its plugin interface, as CUPTI hands a CUDA build's
 """
