@@ -90,21 +90,23 @@ def test_warn_reports_and_goes_on():
     assert len(reports(stderr)) == 1 and "RuntimeError" not in stderr
 
 
-@pytest.mark.parametrize("misuse, line", [
-    ("write", 18),  # its input written before work.wait()
-    ("read", 21),   # its output read before work.wait()
+@pytest.mark.parametrize("misuse, line, issued_at", [
+    ("write", 20, 18),  # its input written before work.wait()
+    ("read", 23, 18),   # its output read before work.wait()
+    ("functional", 29, 28),  # a functional collective's output read before wait_tensor
+    ("ddp-hook", 38, 37),  # a DDP comm hook writing the bucket its all-reduce reads
 ])
-def test_an_async_collectives_tensor_used_before_its_wait_is_reported_on_every_rank(misuse, line):
+def test_an_async_collectives_tensor_used_before_its_wait_is_reported_on_every_rank(misuse, line, issued_at):
     code, stdout, stderr = run("--check-races", f"{RACES}/async_collective.py {misuse}", ranks=2)
     assert code != 0, stderr[-3000:]
     found = reports(stderr)
     assert {re.search(r"on rank (\d)", r).group(1) for r in found} == {"0", "1"}, stderr[-3000:]
     for report in found:
         assert "(an async collective's tensor used before its wait)" in report
-        assert "nccl:all_reduce wrote it on the NCCL stream of process group" in report
+        assert "nccl:all_reduce" in report and "on the NCCL stream of process group" in report, report
         now_stack, earlier_stack = accesses(report)
-        assert f'async_collective.py", line {line}' in now_stack
-        assert 'async_collective.py", line 16' in earlier_stack  # dist.all_reduce(..., async_op=True)
+        assert f'async_collective.py", line {line}' in now_stack, report
+        assert f'async_collective.py", line {issued_at}' in earlier_stack, report
 
 
 def test_an_async_collective_waited_for_reports_nothing_and_is_right():

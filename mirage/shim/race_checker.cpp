@@ -530,6 +530,11 @@ void* mirage_races_collective(int device, int64_t stream, const at::Tensor* inpu
   for (size_t i = 0; i < num_inputs; ++i) kernel.read(inputs[i]);
   for (size_t i = 0; i < num_outputs; ++i) kernel.write(outputs[i]);
   kernel.commit(true);
+  // ProcessGroupNCCL keeps its tensors' blocks from reuse until its stream is done with them
+  // (record_stream, or holding them until the work is waited for): freeing them early is safe.
+  const c10::Stream comm(c10::Stream::UNSAFE, c10::Device(c10::DeviceType::CUDA, dev), stream);
+  for (size_t i = 0; i < num_inputs; ++i) record_stream(inputs[i], comm);
+  for (size_t i = 0; i < num_outputs; ++i) record_stream(outputs[i], comm);
   return new std::shared_ptr<const VectorClock>(snapshot(dev, stream));
 }
 
