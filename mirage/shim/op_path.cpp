@@ -366,22 +366,26 @@ struct OpCall {
       }
     }
     const size_t ret_base = stack->size() - traits.num_returns;
-    auto fresh = [&](const at::Tensor& out) {
-      if (!out.defined() || !out.is_cuda()) return out;
+    auto write_if_fresh = [&](const at::Tensor& out) {
+      if (!out.defined() || !out.is_cuda()) return;
       for (const auto& a : aliased) {
-        if (a.orig.is_alias_of(out)) return out;  // an argument it wrote, counted above
+        if (a.orig.is_alias_of(out)) return;  // an argument it wrote, counted above
       }
       kernel.write(out);
-      return out;
     };
+    c10::SmallVector<at::Tensor, 4> listed;  // results in lists, kept here while the kernel points at them
     for (size_t i = 0; i < traits.num_returns; ++i) {
       c10::IValue& iv = (*stack)[ret_base + i];
       if (iv.isTensor()) {
-        fresh(iv.toTensor());
+        write_if_fresh(iv.toTensor());
       } else {
-        map_tensor_lists(iv, fresh);
+        map_tensor_lists(iv, [&](const at::Tensor& t) {
+          listed.push_back(t);
+          return t;
+        });
       }
     }
+    for (const at::Tensor& t : listed) write_if_fresh(t);
     if (traits.synchronizes) kernel.host_reads_result();
     kernel.commit();
   }

@@ -41,7 +41,7 @@ const Mode g_mode = mode_from_environment();
 // What issued an access: the kernel (or collective), where the program was, the stream's name.
 struct Issuer {
   std::string kernel;
-  std::string autograd_node;  // the backward node running it, on autograd's thread
+  const std::type_info* autograd_node = nullptr;  // the backward node running it (its name: at a report)
   std::shared_ptr<torch::CapturedTraceback> stack;
   bool collective = false;
   bool host_reads = false;
@@ -174,6 +174,39 @@ Range range_of(const at::Tensor& t) {
 std::optional<Race> touch(State& s, DeviceIndex dev, const Range& range, Access access, bool write) {
   auto& shadow = s.shadow[dev];
   const VectorClock& now = s.streams[access.slot].clock;
+  // The common case: the range is one segment already (a tensor used whole again, a block reused
+  // for a tensor of the same size): checked and updated in place.
+  if (auto it = shadow.find(range.lo); it != shadow.end() && it->second.end == range.hi) {
+    Segment& seg = it->second;
+    std::optional<Race> race;
+    if (!ordered(seg.write, access.slot, now)) {
+      race = Race{seg.write, access, true, write};
+    } else if (write) {
+      for (const Access& read : seg.reads) {
+        if (!ordered(read, access.slot, now)) {
+          race = Race{read, access, false, true};
+          break;
+        }
+      }
+    }
+    if (race) {
+      race->earlier_stream = s.streams[race->earlier.slot].name;
+      race->later_stream = s.streams[access.slot].name;
+      race->device = dev;
+    }
+    if (write) {
+      seg.write = std::move(access);
+      seg.reads.clear();
+    } else {
+      auto same = std::find_if(seg.reads.begin(), seg.reads.end(), [&](const Access& a) { return a.slot == access.slot; });
+      if (same != seg.reads.end()) {
+        *same = std::move(access);
+      } else {
+        seg.reads.push_back(std::move(access));
+      }
+    }
+    return race;
+  }
   split(shadow, range.lo);
   split(shadow, range.hi);
   std::optional<Race> race;
@@ -254,8 +287,8 @@ std::string stack_text(const torch::SymbolizedTracebacks& symbolized, size_t whi
     out << "      File \"" << f.filename << "\", line " << f.lineno << ", in " << f.funcname << "\n";
     ++shown;
   }
-  if (!issuer.autograd_node.empty()) out << "      (in autograd's backward: " << issuer.autograd_node << ")\n";
-  if (shown == 0 && issuer.autograd_node.empty()) out << "      (no Python frames on this thread)\n";
+  if (issuer.autograd_node) out << "      (in autograd's backward: " << c10::demangle(issuer.autograd_node->name()) << ")\n";
+  if (shown == 0 && !issuer.autograd_node) out << "      (no Python frames on this thread)\n";
   return out.str();
 }
 
@@ -371,7 +404,7 @@ void host_waits_for_device(DeviceIndex dev) {
 Kernel::Kernel(const char* name, DeviceIndex dev, int64_t stream) : name_(name), dev_(dev), stream_(stream) {}
 
 void Kernel::add(const at::Tensor& t, bool write) {
-  if (t.defined() && t.is_cuda() && t.numel() > 0) uses_.push_back({t, write});
+  if (t.defined() && t.is_cuda() && t.numel() > 0) uses_.push_back({&t, write});
 }
 
 void Kernel::commit(bool collective) {
@@ -381,7 +414,7 @@ void Kernel::commit(bool collective) {
   issuer->collective = collective;
   issuer->host_reads = host_sync_;
   issuer->stack = gather();
-  if (auto node = torch::autograd::get_current_node()) issuer->autograd_node = node->name();
+  if (auto node = torch::autograd::get_current_node()) issuer->autograd_node = &typeid(*node);
   std::optional<Race> race;
   State& s = state();
   {
@@ -391,14 +424,15 @@ void Kernel::commit(bool collective) {
     if (clock.size() <= static_cast<size_t>(slot)) clock.resize(slot + 1, 0);
     const uint32_t tick = ++clock[slot];
     for (const Use& use : uses_) {
-      const Range range = range_of(use.tensor);
+      const at::Tensor& tensor = *use.tensor;
+      const Range range = range_of(tensor);
       if (range.hi == range.lo) continue;
-      Access access{slot, tick, range.block, issuer, use.tensor.scalar_type(),
-                    c10::SmallVector<int64_t, 4>(use.tensor.sizes().begin(), use.tensor.sizes().end())};
+      Access access{slot, tick, range.block, issuer, tensor.scalar_type(),
+                    c10::SmallVector<int64_t, 4>(tensor.sizes().begin(), tensor.sizes().end())};
       auto found = touch(s, dev_, range, std::move(access), use.write);
       if (found && !race) {
         race = std::move(found);
-        race->data = use.tensor.storage().data();
+        race->data = tensor.storage().data();
       }
     }
     if (host_sync_) {

@@ -49,6 +49,7 @@ void host_waits_for_stream(DeviceIndex dev, int64_t stream);
 void host_waits_for_device(DeviceIndex dev);  // -1: every device
 
 // One kernel's accesses to device memory, checked and recorded together on the current stream.
+// It keeps pointers to the tensors it is given: they must live until commit().
 class Kernel {
  public:
   Kernel(const char* name, DeviceIndex dev, int64_t stream);
@@ -67,7 +68,7 @@ class Kernel {
  private:
   void add(const at::Tensor& t, bool write);
   struct Use {
-    at::Tensor tensor;
+    const at::Tensor* tensor;  // the caller's, alive until commit()
     bool write;
   };
   const char* name_;
