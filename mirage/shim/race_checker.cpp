@@ -52,8 +52,6 @@ struct Access {
   uint32_t tick = 0;   // its clock's own entry when it ran
   uint64_t block = 0;  // the allocation it was made to (0: memory not from the allocator model)
   std::shared_ptr<const Issuer> issuer;
-  at::ScalarType dtype = at::kFloat;
-  c10::SmallVector<int64_t, 4> sizes;
 };
 
 // A byte range of device memory with the same history.
@@ -61,6 +59,39 @@ struct Segment {
   uint64_t end;
   Access write;
   c10::SmallVector<Access, 2> reads;  // since the write, one per stream
+};
+
+// A device's segments by address, with a hash index of where each begins: most accesses cover one
+// segment exactly (a tensor used whole again), found without walking the tree.
+struct Shadow {
+  using Map = std::map<uint64_t, Segment>;
+  Map segments;
+  std::unordered_map<uint64_t, Map::iterator> starting_at;
+
+  Map::iterator insert(uint64_t lo, Segment segment) {
+    auto it = segments.emplace(lo, std::move(segment)).first;
+    starting_at[lo] = it;
+    return it;
+  }
+  Map::iterator erase(Map::iterator it) {
+    starting_at.erase(it->first);
+    return segments.erase(it);
+  }
+  Map::iterator exactly(uint64_t lo, uint64_t hi) {
+    auto found = starting_at.find(lo);
+    return found != starting_at.end() && found->second->second.end == hi ? found->second : segments.end();
+  }
+  // Splits the segment containing `at` (if any straddles it) so that one begins there.
+  void split(uint64_t at) {
+    auto it = segments.upper_bound(at);
+    if (it == segments.begin()) return;
+    --it;
+    if (it->first < at && it->second.end > at) {
+      Segment tail = it->second;
+      it->second.end = at;
+      insert(at, std::move(tail));
+    }
+  }
 };
 
 struct StreamState {
@@ -71,10 +102,20 @@ struct StreamState {
   uint64_t host_epoch_seen = 0;
 };
 
+// "float32[64, 64]"
+std::string describe_tensor(const at::Tensor& t) {
+  std::ostringstream out;
+  out << c10::getDtypeNames(t.scalar_type()).first << "[";
+  for (int64_t d = 0; d < t.dim(); ++d) out << (d ? ", " : "") << t.size(d);
+  out << "]";
+  return out.str();
+}
+
 struct Race {
   Access earlier, later;
   bool earlier_wrote, later_wrote;
   bool by_host = false;  // the later access is a host op's
+  std::string tensor;    // the later access's tensor, described
   std::string earlier_stream, later_stream;
   DeviceIndex device;
   const void* data;  // the later access's bytes (for naming its owner)
@@ -86,7 +127,7 @@ struct State {
   std::vector<StreamState> streams;
   VectorClock host;  // what the host has waited for
   uint64_t host_epoch = 1;
-  std::array<std::map<uint64_t, Segment>, kMaxDevices> shadow;
+  std::array<Shadow, kMaxDevices> shadow;
   std::unordered_map<uint64_t, c10::SmallVector<int32_t, 2>> recorded;  // block -> record_stream's streams
   std::unordered_set<std::string> reported;
   // Host memory a non-blocking copy writes once its stream gets there (Kernel::write_host).
@@ -137,17 +178,6 @@ bool ordered(const Access& earlier, int32_t slot, const VectorClock& now) {
   return earlier.slot < 0 || earlier.slot == slot || entry(now, earlier.slot) >= earlier.tick;
 }
 
-// Splits the segment containing `at` (if any straddles it) so that one begins there.
-void split(std::map<uint64_t, Segment>& shadow, uint64_t at) {
-  auto it = shadow.upper_bound(at);
-  if (it == shadow.begin()) return;
-  --it;
-  if (it->first < at && it->second.end > at) {
-    Segment tail = it->second;
-    it->second.end = at;
-    shadow.emplace(at, std::move(tail));
-  }
-}
 
 // The allocator block and the modelled range of `t`'s bytes.
 struct Range {
@@ -176,7 +206,7 @@ std::optional<Race> touch(State& s, DeviceIndex dev, const Range& range, Access 
   const VectorClock& now = s.streams[access.slot].clock;
   // The common case: the range is one segment already (a tensor used whole again, a block reused
   // for a tensor of the same size): checked and updated in place.
-  if (auto it = shadow.find(range.lo); it != shadow.end() && it->second.end == range.hi) {
+  if (auto it = shadow.exactly(range.lo, range.hi); it != shadow.segments.end()) {
     Segment& seg = it->second;
     std::optional<Race> race;
     if (!ordered(seg.write, access.slot, now)) {
@@ -207,11 +237,11 @@ std::optional<Race> touch(State& s, DeviceIndex dev, const Range& range, Access 
     }
     return race;
   }
-  split(shadow, range.lo);
-  split(shadow, range.hi);
+  shadow.split(range.lo);
+  shadow.split(range.hi);
   std::optional<Race> race;
-  auto first = shadow.lower_bound(range.lo);
-  for (auto it = first; it != shadow.end() && it->first < range.hi && !race; ++it) {
+  auto first = shadow.segments.lower_bound(range.lo);
+  for (auto it = first; it != shadow.segments.end() && it->first < range.hi && !race; ++it) {
     const Segment& seg = it->second;
     if (!ordered(seg.write, access.slot, now)) {
       race = Race{seg.write, access, true, write};
@@ -230,13 +260,13 @@ std::optional<Race> touch(State& s, DeviceIndex dev, const Range& range, Access 
     race->device = dev;
   }
   if (write) {
-    shadow.erase(first, shadow.lower_bound(range.hi));
-    shadow.emplace(range.lo, Segment{range.hi, std::move(access), {}});
+    while (first != shadow.segments.end() && first->first < range.hi) first = shadow.erase(first);
+    shadow.insert(range.lo, Segment{range.hi, std::move(access), {}});
     return race;
   }
   uint64_t cursor = range.lo;
   c10::SmallVector<std::pair<uint64_t, uint64_t>, 4> gaps;
-  for (auto it = first; it != shadow.end() && it->first < range.hi; ++it) {
+  for (auto it = first; it != shadow.segments.end() && it->first < range.hi; ++it) {
     if (it->first > cursor) gaps.emplace_back(cursor, it->first);
     cursor = it->second.end;
     auto& reads = it->second.reads;
@@ -248,17 +278,11 @@ std::optional<Race> touch(State& s, DeviceIndex dev, const Range& range, Access 
     }
   }
   if (cursor < range.hi) gaps.emplace_back(cursor, range.hi);
-  for (auto [lo, hi] : gaps) shadow.emplace(lo, Segment{hi, Access{}, {access}});
+  for (auto [lo, hi] : gaps) shadow.insert(lo, Segment{hi, Access{}, {access}});
   return race;
 }
 
-std::string describe_tensor(const Access& a) {
-  std::ostringstream out;
-  out << c10::getDtypeNames(a.dtype).first << "[";
-  for (size_t i = 0; i < a.sizes.size(); ++i) out << (i ? ", " : "") << a.sizes[i];
-  out << "]";
-  return out.str();
-}
+
 
 // What Python knows of the tensor at `data` ("parameter 'layers.0.weight' of Net", ...), from
 // mirage/runtime/races.py; empty where nothing does.
@@ -332,9 +356,8 @@ void report(const Race& race) {
   out << "\n================ mirage --check-races: a data race on "
       << (rank ? std::string("rank ") + rank : "process " + std::to_string(getpid())) << ", cuda:"
       << static_cast<int>(race.device) << " (" << kind << ")\n"
-      << "  tensor: " << describe_tensor(race.later) << (owner.empty() ? "" : ", " + owner) << "\n";
-  if (reuse) out << "  its memory was last used by another tensor, " << describe_tensor(race.earlier)
-                 << ", freed while a stream may still have used it\n";
+      << "  tensor: " << race.tensor << (owner.empty() ? "" : ", " + owner) << "\n";
+  if (reuse) out << "  its memory was last another tensor's, freed while a stream may still have used it\n";
   if (race.by_host) {
     out << "  now:     the host reads it (" << later.kernel << ")\n";
   } else {
@@ -352,7 +375,7 @@ void report(const Race& race) {
   std::fwrite(text.data(), 1, text.size(), stderr);
   std::fflush(stderr);
   if (g_mode == Mode::kError) {
-    TORCH_CHECK(false, "mirage --check-races: ", kind, " on ", describe_tensor(race.later), ": ", earlier.kernel,
+    TORCH_CHECK(false, "mirage --check-races: ", kind, " on ", race.tensor, ": ", earlier.kernel,
                 " on ", race.earlier_stream, ", then ", later.kernel, " on ", race.by_host ? "the host" : race.later_stream,
                 " (the report above; --check-races=warn reports and goes on)");
   }
@@ -360,6 +383,41 @@ void report(const Race& race) {
 
 std::shared_ptr<torch::CapturedTraceback> gather() {
   return torch::CapturedTraceback::gather(/*python=*/true, /*script=*/false, /*cpp=*/false);
+}
+
+
+// Issuers no access refers to any more. Freeing one releases its stack's Python code objects,
+// which takes the GIL: never while the checker's mutex is held (a thread holding the GIL may be
+// waiting for that mutex), and once per batch rather than once per kernel.
+struct Retired {
+  std::mutex mu;
+  std::vector<Issuer*> issuers;
+};
+
+Retired& retired() {
+  static auto* r = new Retired();
+  return *r;
+}
+
+std::shared_ptr<Issuer> new_issuer() {
+  return std::shared_ptr<Issuer>(new Issuer(), [](Issuer* issuer) {
+    std::lock_guard<std::mutex> g(retired().mu);
+    retired().issuers.push_back(issuer);
+  });
+}
+
+// Frees the retired issuers once there are enough (the caller holds no lock of the checker's).
+void free_retired() {
+  std::vector<Issuer*> batch;
+  {
+    std::lock_guard<std::mutex> g(retired().mu);
+    if (retired().issuers.size() < 256) return;
+    batch.swap(retired().issuers);
+  }
+  if (!Py_IsInitialized() || _Py_IsFinalizing()) return;  // (left to the process's end)
+  PyGILState_STATE gil = PyGILState_Ensure();
+  for (Issuer* issuer : batch) delete issuer;
+  PyGILState_Release(gil);
 }
 
 }  // namespace
@@ -409,7 +467,7 @@ void Kernel::add(const at::Tensor& t, bool write) {
 
 void Kernel::commit(bool collective) {
   if (uses_.empty() && !host_sync_) return;
-  auto issuer = std::make_shared<Issuer>();
+  auto issuer = new_issuer();
   issuer->kernel = name_;
   issuer->collective = collective;
   issuer->host_reads = host_sync_;
@@ -427,12 +485,11 @@ void Kernel::commit(bool collective) {
       const at::Tensor& tensor = *use.tensor;
       const Range range = range_of(tensor);
       if (range.hi == range.lo) continue;
-      Access access{slot, tick, range.block, issuer, tensor.scalar_type(),
-                    c10::SmallVector<int64_t, 4>(tensor.sizes().begin(), tensor.sizes().end())};
-      auto found = touch(s, dev_, range, std::move(access), use.write);
+      auto found = touch(s, dev_, range, Access{slot, tick, range.block, issuer}, use.write);
       if (found && !race) {
         race = std::move(found);
         race->data = tensor.storage().data();
+        race->tensor = describe_tensor(tensor);
       }
     }
     if (host_sync_) {
@@ -442,15 +499,14 @@ void Kernel::commit(bool collective) {
     if (host_target_.defined() && host_target_.numel() > 0) {
       const auto lo = reinterpret_cast<uintptr_t>(host_target_.data_ptr());
       s.pending_host.push_back({lo, lo + static_cast<uintptr_t>(host_target_.nbytes()), dev_,
-                                Access{slot, tick, 0, issuer, host_target_.scalar_type(),
-                                       c10::SmallVector<int64_t, 4>(host_target_.sizes().begin(),
-                                                                    host_target_.sizes().end())}});
+                                Access{slot, tick, 0, issuer}});
       c10::impl::tls_set_dispatch_key_included(c10::DispatchKey::TESTING_ONLY_GenericMode, true);
     }
   }
   uses_.clear();
   host_target_.reset();
   if (race) report(*race);
+  free_retired();
 }
 
 void record_stream(const at::Tensor& t, const c10::Stream& stream) {
@@ -480,11 +536,11 @@ void block_freed(DeviceIndex dev, uint64_t address, size_t size, int64_t block_s
     return a.slot < 0 || ordered(a, own, now) || std::find(recorded.begin(), recorded.end(), a.slot) != recorded.end();
   };
   auto& shadow = s.shadow[dev];
-  for (auto it = shadow.lower_bound(address); it != shadow.end() && it->first < address + size;) {
+  for (auto it = shadow.segments.lower_bound(address); it != shadow.segments.end() && it->first < address + size;) {
     Segment& seg = it->second;
     if (harmless(seg.write)) seg.write = Access{};
     seg.reads.erase(std::remove_if(seg.reads.begin(), seg.reads.end(), harmless), seg.reads.end());
-    it = seg.write.slot < 0 && seg.reads.empty() ? shadow.erase(it) : std::next(it);
+    ++it;  // kept, if empty, for the block's next tensor (most often of the same size: checked in place)
   }
 }
 
@@ -517,8 +573,8 @@ void host_op(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit
       const uintptr_t hi = lo + t.storage().nbytes();
       for (const auto& p : pending) {
         if (p.lo < hi && lo < p.hi) {
-          Access host{-1, 0, 0, nullptr, t.scalar_type(), c10::SmallVector<int64_t, 4>(t.sizes().begin(), t.sizes().end())};
-          race = Race{p.access, std::move(host), true, false, true};
+          race = Race{p.access, Access{}, true, false, true};
+          race->tensor = describe_tensor(t);
           race->earlier_stream = s.streams[p.access.slot].name;
           race->later_stream = "the host";
           race->device = p.device;
@@ -530,7 +586,7 @@ void host_op(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit
     if (pending.empty()) c10::impl::tls_set_dispatch_key_included(c10::DispatchKey::TESTING_ONLY_GenericMode, false);
   }
   if (race) {
-    auto issuer = std::make_shared<Issuer>();
+    auto issuer = new_issuer();
     issuer->kernel = op.schema().name();
     issuer->host_reads = true;
     issuer->stack = gather();
