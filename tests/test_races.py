@@ -77,6 +77,11 @@ def test_without_the_checker_the_same_programs_give_the_right_answer(program, an
     assert code == 0 and stdout.strip() == answer and REPORT not in stderr, stderr[-3000:]
 
 
+def test_without_the_checker_an_async_collective_used_early_gives_the_right_answer():
+    code, stdout, stderr = run(f"{RACES}/async_collective.py write", ranks=2)
+    assert code == 0 and "result 2.0 expected 2.0" in stdout and REPORT not in stderr, stderr[-3000:]
+
+
 @pytest.mark.parametrize("program", ["cpu_read.py ordered", "memory_reuse.py recorded", "side_stream.py ordered",
                                      "pinned_copy.py synchronized"])
 def test_the_corrected_programs_report_nothing(program):
