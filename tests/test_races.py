@@ -1,8 +1,8 @@
 """`mirage run --check-races` (issue 36): what a GPU would run in an order the program does not
 ensure is reported deterministically, naming the rank, the op, the tensor and both accesses'
 lines, and the run fails; `=warn` only reports; without it the same programs run and give the
-right answer, as emulated kernels run in order. Correct programs, from DDP to FSDP2, tensor and
-pipeline parallelism in torchtitan and Megatron-core, report nothing.
+right answer, as emulated kernels run in order. Correct programs, from DDP to FSDP2, DeepSpeed
+ZeRO-3, tensor and pipeline parallelism in torchtitan and Megatron-core, report nothing.
 
 The seeded bugs are tests/workloads/races/*.py, one per kind the checker covers."""
 
@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import mirage
+from conftest import REPO, mirage
 from test_megatron import megatron_path  # noqa: F401 (a fixture)
 from test_torchtitan import STEPS, assets, torchtitan_path, train  # noqa: F401 (fixtures)
 
@@ -144,6 +147,28 @@ def test_megatron_core_with_tensor_and_pipeline_parallelism_reports_nothing(mega
                     env={**os.environ, "PYTHONPATH": str(megatron_path)}, timeout=600)
     assert result.returncode == 0 and " losses " in result.stdout, result.stdout[-2000:] + result.stderr[-3000:]
     assert REPORT not in result.stderr
+
+
+@pytest.fixture(scope="module")
+def deepspeed_path() -> Path:
+    """DeepSpeed and its pure-Python requirements in .venv-deepspeed/ (ignored by git), installed once:
+    DeepSpeed itself without dependencies, as its requirements name torch (which must stay the CPU build)."""
+    target = REPO / ".venv-deepspeed"
+    if not (target / "deepspeed" / "__init__.py").exists():
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--target", str(target)]
+        subprocess.run([*pip, "hjson==3.1.0", "msgpack==1.2.4", "psutil==7.2.2", "py-cpuinfo==9.0.0",
+                        "pydantic==2.14.4", "tqdm==4.70.1", "einops==0.8.2"], check=True, timeout=900)
+        subprocess.run([*pip, "--no-deps", "deepspeed==0.19.8"], check=True, timeout=900)
+    return target
+
+
+def test_deepspeed_zero3_with_overlapped_communication_reports_nothing(deepspeed_path):
+    result = mirage("run", "--quiet", "--gpus-per-node", "2", "--check-races", "--", "torchrun", "--standalone",
+                    "--nproc_per_node=2", "tests/workloads/deepspeed_zero3.py",
+                    env={**os.environ, "PYTHONPATH": str(deepspeed_path)}, timeout=600)
+    assert result.returncode == 0 and REPORT not in result.stderr, result.stdout[-2000:] + result.stderr[-3000:]
+    losses = [float(x) for x in result.stdout.split("zero3 losses ")[1].split()]
+    assert len(losses) == 8 and losses[-1] < losses[0], losses
 
 
 @pytest.mark.parametrize("flags", [
