@@ -1,5 +1,5 @@
-"""A seeded race: the host reads a tensor a side stream wrote, with no synchronisation between.
-`item` reads it with .item() on the default stream, which waits for the default stream only;
+"""A seeded race: the host reads a tensor a side stream wrote, with no synchronisation between:
+with .item() (or `cpu`: .cpu()) on the default stream, which waits for the default stream only.
 `ordered` makes the default stream wait for the side stream first (correct)."""
 
 import sys
@@ -13,4 +13,4 @@ with torch.cuda.stream(side):
     total = x.sum()                 # written on the side stream
 if "ordered" in sys.argv:
     torch.cuda.current_stream().wait_stream(side)
-print("result", total.item())       # the host reads it
+print("result", total.cpu().item() if "cpu" in sys.argv else total.item())  # the host reads it
