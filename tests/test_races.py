@@ -126,11 +126,13 @@ def test_an_async_collective_waited_for_reports_nothing_and_is_right():
     assert code == 0 and "result 2.0 expected 2.0" in stdout and REPORT not in stderr, stderr[-3000:]
 
 
-def test_an_unknown_mode_and_predict_only_are_refused():
+def test_an_unknown_mode_predict_only_and_a_plan_are_refused():
     result = mirage("run", "--check-races=sometimes", "--", "python", "-c", "pass")
     assert result.returncode == 2 and "invalid choice: 'sometimes' (choose from 'error', 'warn', 'off')" in result.stderr
     result = mirage("run", "--check-races", "--timing", "--predict-only", "--", "python", "-c", "pass")
     assert result.returncode == 2 and "--check-races with --predict-only" in result.stderr
+    result = mirage("plan", "--axis", "x={1,2}", "--check-races", "--", "python", "-c", "pass")
+    assert result.returncode == 2 and "--check-races is not for a plan" in result.stderr
 
 
 def test_ddp_fsdp2_and_tensor_parallel_report_nothing():

@@ -96,6 +96,9 @@ def main(argv: list[str], plan_parser: argparse.ArgumentParser, run_parser: argp
         if name in PLAN_ONLY_OF_RUN:
             return _usage_error(f"{name} is the plan's own (it reads each point's summary): drop it; "
                                 "--json prints the plan's results")
+        if name == "--check-races" and token != "--check-races=off":
+            return _usage_error("--check-races is not for a plan: its points run --predict-only, which runs no "
+                                "kernels to check. Fix: check one configuration with mirage run --check-races")
     if not command:
         return _usage_error("no command to plan; put it after `--`: mirage plan --axis 'b={1,2}' -- python train.py")
     if args.price_per_gpu_hour is not None and not args.tokens_per_step:
