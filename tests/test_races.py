@@ -74,14 +74,21 @@ def test_a_report_names_the_parameter():
     assert "tensor: float32[64, 64], parameter 'weight' of Linear" in report, report
 
 
-@pytest.mark.parametrize("program, answer", [
-    ("cpu_read.py", "result 1024.0"), ("memory_reuse.py", "result 1.0 0.0"), ("side_stream.py", "result 128.0"),
-    ("pinned_copy.py", "result 4096.0"),
-])
-def test_without_the_checker_the_same_programs_give_the_right_answer(program, answer):
-    flags = ("--check-races=off",) if program.startswith(("cpu", "pinned")) else ()  # off is the default
-    code, stdout, stderr = run(*flags, f"{RACES}/{program}")
-    assert code == 0 and stdout.strip() == answer and REPORT not in stderr, stderr[-3000:]
+def in_one_session(*flags: str, programs: list[str]) -> tuple[int, list[str], str]:
+    """Runs each of `programs` (a script and its arguments) in turn in one session; the exit code
+    of the last to fail (0: none did), each one's output, and the session's stderr."""
+    loop = "; ".join(f'python {RACES}/{p}; code=$(( $? ? $? : ${{code:-0}} )); echo "--- end"' for p in programs)
+    result = mirage("run", "--quiet", "--gpus-per-node", "1", *flags, "--", "bash", "-c", loop + "; exit $code",
+                    timeout=300)
+    return result.returncode, [out.strip() for out in result.stdout.split("--- end")[:-1]], result.stderr
+
+
+def test_without_the_checker_the_same_programs_give_the_right_answer():
+    programs = ["cpu_read.py", "memory_reuse.py", "side_stream.py", "pinned_copy.py"]
+    for flags in ((), ("--check-races=off",)):  # off is the default
+        code, outputs, stderr = in_one_session(*flags, programs=programs)
+        assert code == 0 and REPORT not in stderr, stderr[-3000:]
+        assert outputs == ["result 1024.0", "result 1.0 0.0", "result 128.0", "result 4096.0"], outputs
 
 
 def test_without_the_checker_an_async_collective_used_early_gives_the_right_answer():
@@ -89,11 +96,12 @@ def test_without_the_checker_an_async_collective_used_early_gives_the_right_answ
     assert code == 0 and "result 2.0 expected 2.0" in stdout and REPORT not in stderr, stderr[-3000:]
 
 
-@pytest.mark.parametrize("program", ["cpu_read.py ordered", "memory_reuse.py recorded", "side_stream.py ordered",
-                                     "pinned_copy.py synchronized"])
-def test_the_corrected_programs_report_nothing(program):
-    code, stdout, stderr = run("--check-races", f"{RACES}/{program}")
-    assert code == 0 and stdout.startswith("result") and REPORT not in stderr, stderr[-3000:]
+def test_the_corrected_programs_report_nothing():
+    code, outputs, stderr = in_one_session("--check-races", programs=[
+        "cpu_read.py ordered", "cpu_read.py ordered cpu", "memory_reuse.py recorded", "side_stream.py ordered",
+        "pinned_copy.py synchronized"])
+    assert code == 0 and REPORT not in stderr, stderr[-3000:]
+    assert [out.split()[0] for out in outputs] == ["result"] * 5, outputs
 
 
 def test_warn_reports_and_goes_on():
@@ -178,7 +186,8 @@ def test_deepspeed_zero3_with_overlapped_communication_reports_nothing(deepspeed
 
 
 @pytest.mark.parametrize("flags", [
-    pytest.param([], id="fsdp"),
+    # all slow (13 s each); the default suite's clean runs are the ones above
+    pytest.param([], marks=pytest.mark.slow, id="fsdp"),
     pytest.param(["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"],
                  marks=pytest.mark.slow, id="tp"),
     pytest.param(["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
