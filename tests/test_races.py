@@ -104,6 +104,20 @@ def test_the_corrected_programs_report_nothing():
     assert [out.split()[0] for out in outputs] == ["result"] * 5, outputs
 
 
+def test_a_program_that_catches_the_error_still_fails():
+    program = ("import torch\n"
+               "a = torch.ones(8, device='cuda')\n"
+               "side = torch.cuda.Stream()\n"
+               "try:\n"
+               "    with torch.cuda.stream(side):\n"
+               "        b = a * 2\n"
+               "except RuntimeError:\n"
+               "    print('caught')\n")
+    result = mirage("run", "--quiet", "--check-races", "--", "python", "-c", program, timeout=300)
+    assert result.returncode == 1 and result.stdout.strip() == "caught", result.stderr[-3000:]
+    assert "exiting with status 1: a data race was reported above" in result.stderr
+
+
 def test_warn_reports_and_goes_on():
     code, stdout, stderr = run("--check-races=warn", f"{RACES}/side_stream.py")
     assert code == 0 and stdout.strip() == "result 128.0", stderr[-3000:]

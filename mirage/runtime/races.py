@@ -1,15 +1,40 @@
-"""What a `--check-races` report says a tensor is, where Python knows it.
+"""`--check-races`'s Python half: what a report says a tensor is, and the exit status.
 
 The checker (mirage/shim/race_checker.cpp) sees storages and addresses; a user thinks in
 parameters and gradients. When it reports a race it asks `owner_of` here, once per report, so
-the search through the program's modules costs nothing while no race is found.
+the search through the program's modules costs nothing while no race is found. In "error" mode
+the op that raced raises; `install` makes the process fail at its end even if the program
+caught that error.
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
+import os
+import sys
+from types import ModuleType
 
 import torch
+
+
+def install(torch_module: ModuleType) -> None:
+    """With --check-races (error mode), an exit hook registered before the program's own, so that
+    it runs after theirs: the process ends with status 1 if a race was reported."""
+    if os.environ.get("MIRAGE_CHECK_RACES") != "error":
+        return
+
+    def fail_if_a_race_was_reported() -> None:
+        if torch_module.ops.mirage.races_failed() == 0:
+            return
+        print("mirage --check-races: exiting with status 1: a data race was reported above "
+              "(--check-races=warn lets the run succeed)", file=sys.stderr)
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+        os._exit(1)
+
+    atexit.register(fail_if_a_race_was_reported)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from types import FunctionType, ModuleType
 from mirage import profiles
 from mirage.runtime import (autograd_threads, cuda_comm, cuda_graphs, cuda_ipc, cuda_memory, cuda_runtime, cudnn,
                             device_queries, distributed, gpu_profiler, import_hooks, inductor, legacy_tensor_types,
-                            nvtx, timing, triton_driver, visible_devices)
+                            nvtx, races, timing, triton_driver, visible_devices)
 from mirage.runtime.unprofiled import unprofiled
 
 # What a ROCm / CUDA build of torch 2.13 reports as its toolkit version.
@@ -314,3 +314,4 @@ def _install(torch: ModuleType, _disable_current_modes: Callable) -> None:
     import_hooks.after_import("triton.runtime.driver", lambda module: triton_driver.install(torch, profile, module))
     timing.install(torch)
     gpu_profiler.install(torch, profile, properties)
+    races.install(torch)

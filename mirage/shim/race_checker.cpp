@@ -3,6 +3,7 @@
 
 #include "device_guard.h"
 #include "device_memory.h"
+#include "unobserved_ops.h"
 
 #include <Python.h>
 #include <torch/csrc/autograd/function.h>
@@ -318,6 +319,10 @@ std::string stack_text(const torch::SymbolizedTracebacks& symbolized, size_t whi
 
 const char* verb(bool wrote, bool past) { return wrote ? (past ? "wrote" : "writes") : (past ? "read" : "reads"); }
 
+// Races reported in "error" mode (mirage/runtime/races.py fails the process at its exit if any:
+// a program that caught the op's error and ended normally still fails).
+std::atomic<int64_t> g_failed{0};
+
 // The report, printed once per distinct race; in "error" mode the op then raises.
 void report(const Race& race) {
   const Issuer& earlier = *race.earlier.issuer;
@@ -375,6 +380,7 @@ void report(const Race& race) {
   std::fwrite(text.data(), 1, text.size(), stderr);
   std::fflush(stderr);
   if (g_mode == Mode::kError) {
+    ++g_failed;
     TORCH_CHECK(false, "mirage --check-races: ", kind, " on ", race.tensor, ": ", earlier.kernel,
                 " on ", race.earlier_stream, ", then ", later.kernel, " on ", race.by_host ? "the host" : race.later_stream,
                 " (the report above; --check-races=warn reports and goes on)");
@@ -598,6 +604,10 @@ void host_op(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit
 }
 
 }  // namespace mirage::races
+
+MIRAGE_LIBRARY(m) {
+  m.def("races_failed() -> int", []() { return mirage::races::g_failed.load(); });
+}
 
 TORCH_LIBRARY_IMPL(_, TESTING_ONLY_GenericMode, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&mirage::races::host_op>());
