@@ -201,64 +201,60 @@ Range range_of(const at::Tensor& t) {
   return r;
 }
 
+// The access that `access` conflicts with in `seg`, unordered before it: the write, or (for a
+// write) a read since; none if it is ordered after all of them.
+std::optional<Race> conflict(const Segment& seg, const Access& access, bool write, const VectorClock& now) {
+  if (!ordered(seg.write, access.slot, now)) return Race{seg.write, access, true, write};
+  if (write) {
+    for (const Access& read : seg.reads) {
+      if (!ordered(read, access.slot, now)) return Race{read, access, false, true};
+    }
+  }
+  return std::nullopt;
+}
+
+// A read joins the segment's reads, replacing its stream's earlier one.
+void add_read(Segment& seg, const Access& access) {
+  auto same = std::find_if(seg.reads.begin(), seg.reads.end(), [&](const Access& a) { return a.slot == access.slot; });
+  if (same != seg.reads.end()) {
+    *same = access;
+  } else {
+    seg.reads.push_back(access);
+  }
+}
+
 // Checks an access of [lo, hi) against the history, then records it; the first race found.
 std::optional<Race> touch(State& s, DeviceIndex dev, const Range& range, Access access, bool write) {
   auto& shadow = s.shadow[dev];
   const VectorClock& now = s.streams[access.slot].clock;
+  std::optional<Race> race;
   // The common case: the range is one segment already (a tensor used whole again, a block reused
   // for a tensor of the same size): checked and updated in place.
-  if (auto it = shadow.exactly(range.lo, range.hi); it != shadow.segments.end()) {
-    Segment& seg = it->second;
-    std::optional<Race> race;
-    if (!ordered(seg.write, access.slot, now)) {
-      race = Race{seg.write, access, true, write};
-    } else if (write) {
-      for (const Access& read : seg.reads) {
-        if (!ordered(read, access.slot, now)) {
-          race = Race{read, access, false, true};
-          break;
-        }
-      }
-    }
-    if (race) {
-      race->earlier_stream = s.streams[race->earlier.slot].name;
-      race->later_stream = s.streams[access.slot].name;
-      race->device = dev;
-    }
-    if (write) {
-      seg.write = std::move(access);
-      seg.reads.clear();
-    } else {
-      auto same = std::find_if(seg.reads.begin(), seg.reads.end(), [&](const Access& a) { return a.slot == access.slot; });
-      if (same != seg.reads.end()) {
-        *same = std::move(access);
-      } else {
-        seg.reads.push_back(std::move(access));
-      }
-    }
-    return race;
-  }
-  shadow.split(range.lo);
-  shadow.split(range.hi);
-  std::optional<Race> race;
-  auto first = shadow.segments.lower_bound(range.lo);
-  for (auto it = first; it != shadow.segments.end() && it->first < range.hi && !race; ++it) {
-    const Segment& seg = it->second;
-    if (!ordered(seg.write, access.slot, now)) {
-      race = Race{seg.write, access, true, write};
-    } else if (write) {
-      for (const Access& read : seg.reads) {
-        if (!ordered(read, access.slot, now)) {
-          race = Race{read, access, false, true};
-          break;
-        }
-      }
+  auto whole = shadow.exactly(range.lo, range.hi);
+  auto first = shadow.segments.end();
+  if (whole != shadow.segments.end()) {
+    race = conflict(whole->second, access, write, now);
+  } else {
+    shadow.split(range.lo);
+    shadow.split(range.hi);
+    first = shadow.segments.lower_bound(range.lo);
+    for (auto it = first; it != shadow.segments.end() && it->first < range.hi && !race; ++it) {
+      race = conflict(it->second, access, write, now);
     }
   }
   if (race) {
     race->earlier_stream = s.streams[race->earlier.slot].name;
     race->later_stream = s.streams[access.slot].name;
     race->device = dev;
+  }
+  if (whole != shadow.segments.end()) {
+    if (write) {
+      whole->second.write = std::move(access);
+      whole->second.reads.clear();
+    } else {
+      add_read(whole->second, access);
+    }
+    return race;
   }
   if (write) {
     while (first != shadow.segments.end() && first->first < range.hi) first = shadow.erase(first);
@@ -270,13 +266,7 @@ std::optional<Race> touch(State& s, DeviceIndex dev, const Range& range, Access 
   for (auto it = first; it != shadow.segments.end() && it->first < range.hi; ++it) {
     if (it->first > cursor) gaps.emplace_back(cursor, it->first);
     cursor = it->second.end;
-    auto& reads = it->second.reads;
-    auto same = std::find_if(reads.begin(), reads.end(), [&](const Access& a) { return a.slot == access.slot; });
-    if (same != reads.end()) {
-      *same = access;
-    } else {
-      reads.push_back(access);
-    }
+    add_read(it->second, access);
   }
   if (cursor < range.hi) gaps.emplace_back(cursor, range.hi);
   for (auto [lo, hi] : gaps) shadow.insert(lo, Segment{hi, Access{}, {access}});
