@@ -41,11 +41,12 @@ const Mode g_mode = mode_from_environment();
 
 // What issued an access: the kernel (or collective), where the program was, the stream's name.
 struct Issuer {
-  std::string kernel;
+  const char* kernel = "";  // an operator's schema name (lives as long as the process), or interned
   const std::type_info* autograd_node = nullptr;  // the backward node running it (its name: at a report)
   std::shared_ptr<torch::CapturedTraceback> stack;
   bool collective = false;
   bool host_reads = false;
+  ~Issuer();
 };
 
 struct Access {
@@ -382,12 +383,12 @@ std::shared_ptr<torch::CapturedTraceback> gather() {
 }
 
 
-// Issuers no access refers to any more. Freeing one releases its stack's Python code objects,
+// Stacks of issuers no access refers to any more. Releasing one releases Python code objects,
 // which takes the GIL: never while the checker's mutex is held (a thread holding the GIL may be
 // waiting for that mutex), and once per batch rather than once per kernel.
 struct Retired {
   std::mutex mu;
-  std::vector<Issuer*> issuers;
+  std::vector<std::shared_ptr<torch::CapturedTraceback>> stacks;
 };
 
 Retired& retired() {
@@ -395,25 +396,38 @@ Retired& retired() {
   return *r;
 }
 
-std::shared_ptr<Issuer> new_issuer() {
-  return std::shared_ptr<Issuer>(new Issuer(), [](Issuer* issuer) {
-    std::lock_guard<std::mutex> g(retired().mu);
-    retired().issuers.push_back(issuer);
-  });
+// A stack is released with the GIL: never here, where the checker's lock may be held.
+Issuer::~Issuer() {
+  if (!stack) return;
+  std::lock_guard<std::mutex> g(retired().mu);
+  retired().stacks.push_back(std::move(stack));
 }
 
-// Frees the retired issuers once there are enough (the caller holds no lock of the checker's).
+std::shared_ptr<Issuer> new_issuer() { return std::make_shared<Issuer>(); }
+
+// Frees the retired stacks once there are enough (the caller holds no lock of the checker's).
 void free_retired() {
-  std::vector<Issuer*> batch;
+  std::vector<std::shared_ptr<torch::CapturedTraceback>> batch;
   {
     std::lock_guard<std::mutex> g(retired().mu);
-    if (retired().issuers.size() < 256) return;
-    batch.swap(retired().issuers);
+    if (retired().stacks.size() < 256) return;
+    batch.swap(retired().stacks);
   }
-  if (!Py_IsInitialized() || _Py_IsFinalizing()) return;  // (left to the process's end)
+  if (!Py_IsInitialized() || _Py_IsFinalizing()) {  // (left to the process's end)
+    for (auto& stack : batch) new std::shared_ptr<torch::CapturedTraceback>(std::move(stack));
+    return;
+  }
   PyGILState_STATE gil = PyGILState_Ensure();
-  for (Issuer* issuer : batch) delete issuer;
+  batch.clear();
   PyGILState_Release(gil);
+}
+
+// The name of a collective (its profiling title may not outlive the call), kept for reports.
+const char* interned(const char* name) {
+  static auto* names = new std::unordered_set<std::string>();
+  static std::mutex mu;
+  std::lock_guard<std::mutex> g(mu);
+  return names->emplace(name).first->c_str();
 }
 
 }  // namespace
@@ -464,7 +478,7 @@ void Kernel::add(const at::Tensor& t, bool write) {
 void Kernel::commit(bool collective) {
   if (uses_.empty() && !host_sync_) return;
   auto issuer = new_issuer();
-  issuer->kernel = name_;
+  issuer->kernel = collective ? interned(name_) : name_;
   issuer->collective = collective;
   issuer->host_reads = host_sync_;
   issuer->stack = gather();
@@ -583,7 +597,7 @@ void host_op(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit
   }
   if (race) {
     auto issuer = new_issuer();
-    issuer->kernel = op.schema().name();
+    issuer->kernel = op.schema().name().c_str();
     issuer->host_reads = true;
     issuer->stack = gather();
     race->later.issuer = std::move(issuer);
