@@ -260,7 +260,7 @@ struct OpCall {
     };
     for (size_t i = 0; i < traits.num_args; ++i) {
       c10::IValue& iv = (*stack)[base + i];
-      writing = i < 64 && ((traits.written >> i) & 1);
+      if (C10_UNLIKELY(check_races)) writing = i < 64 && ((traits.written >> i) & 1);
       if (iv.isTensor()) {
         iv = convert(iv.toTensor(), false);
       } else if (iv.isTensorList()) {

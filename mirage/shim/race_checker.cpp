@@ -176,10 +176,16 @@ int32_t prepare(State& s, DeviceIndex dev, int64_t stream) {
   return it->second;
 }
 
+// The host has waited for what `clock` covers: every stream's next kernel is ordered after it
+// (caller holds mu; prepare() merges it in).
+void host_waited(State& s, const VectorClock& clock) {
+  merge(s.host, clock);
+  ++s.host_epoch;
+}
+
 bool ordered(const Access& earlier, int32_t slot, const VectorClock& now) {
   return earlier.slot < 0 || earlier.slot == slot || entry(now, earlier.slot) >= earlier.tick;
 }
-
 
 // The allocator block and the modelled range of `t`'s bytes.
 struct Range {
@@ -273,8 +279,6 @@ std::optional<Race> touch(State& s, DeviceIndex dev, const Range& range, Access 
   for (auto [lo, hi] : gaps) shadow.insert(lo, Segment{hi, Access{}, {access}});
   return race;
 }
-
-
 
 // What Python knows of the tensor at `data` ("parameter 'layers.0.weight' of Net", ...), from
 // mirage/runtime/races.py; empty where nothing does.
@@ -382,7 +386,6 @@ std::shared_ptr<torch::CapturedTraceback> gather() {
   return torch::CapturedTraceback::gather(/*python=*/true, /*script=*/false, /*cpp=*/false);
 }
 
-
 // Stacks of issuers no access refers to any more. Releasing one releases Python code objects,
 // which takes the GIL: never while the checker's mutex is held (a thread holding the GIL may be
 // waiting for that mutex), and once per batch rather than once per kernel.
@@ -449,24 +452,23 @@ void stream_waits(DeviceIndex dev, int64_t stream, const VectorClock& event) {
 void host_waits(const VectorClock& event) {
   State& s = state();
   std::lock_guard<std::mutex> g(s.mu);
-  merge(s.host, event);
-  ++s.host_epoch;
+  host_waited(s, event);
 }
 
 void host_waits_for_stream(DeviceIndex dev, int64_t stream) {
   State& s = state();
   std::lock_guard<std::mutex> g(s.mu);
-  merge(s.host, s.streams[prepare(s, dev, stream)].clock);
-  ++s.host_epoch;
+  host_waited(s, s.streams[prepare(s, dev, stream)].clock);
 }
 
 void host_waits_for_device(DeviceIndex dev) {
   State& s = state();
   std::lock_guard<std::mutex> g(s.mu);
+  VectorClock all;
   for (const StreamState& st : s.streams) {
-    if (dev < 0 || st.device == dev) merge(s.host, st.clock);
+    if (dev < 0 || st.device == dev) merge(all, st.clock);
   }
-  ++s.host_epoch;
+  host_waited(s, all);
 }
 
 Kernel::Kernel(const char* name, DeviceIndex dev, int64_t stream) : name_(name), dev_(dev), stream_(stream) {}
@@ -502,10 +504,7 @@ void Kernel::commit(bool collective) {
         race->tensor = describe_tensor(tensor);
       }
     }
-    if (host_sync_) {
-      merge(s.host, s.streams[slot].clock);
-      ++s.host_epoch;
-    }
+    if (host_sync_) host_waited(s, s.streams[slot].clock);
     if (host_target_.defined() && host_target_.numel() > 0) {
       const auto lo = reinterpret_cast<uintptr_t>(host_target_.data_ptr());
       s.pending_host.push_back({lo, lo + static_cast<uintptr_t>(host_target_.nbytes()), dev_,
