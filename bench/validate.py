@@ -6,9 +6,11 @@ For each case it asks the model of the case's profile (in a `mirage run --timing
 process, with the case's tuning where its system differs from the profile, e.g. its NIC) for the
 predicted time of the same GEMM, fused attention, streaming kernel or collective (or how much
 slower a GEMM runs beside a collective), turns it into the unit the source
-reports (TFLOP/s, GB/s, nccl-tests busbw) and prints the error. Cases in the calibration set are
+reports (TFLOP/s, GB/s, nccl-tests busbw) and prints the error. `module` cases run an eager
+PyTorch module (bench/eager_modules.py) under `--predict-only` and time it with CUDA events as
+its source did (ms: a negative error is a prediction too fast). Cases in the calibration set are
 those the profiles' [timing] numbers were taken from; the held-out set's median error is the
-figure of merit. Runs in seconds: nothing is computed on this machine but the model.
+figure of merit. Runs in about a minute: nothing is computed on this machine but the model.
 """
 
 from __future__ import annotations
@@ -36,7 +38,11 @@ def predict(cases: list[dict]) -> list[float]:
 
     out = []
     for case in cases:
-        if case["kind"] == "gemm":
+        if case["kind"] == "module":
+            from eager_modules import time_ms  # bench/eager_modules.py, beside this script
+
+            out.append(time_ms(case["module"], case["size"], case["mode"]))  # ms
+        elif case["kind"] == "gemm":
             ns = torch.ops.mirage.clock_predict_gemm_ns(case["m"], case["n"], case["k"], getattr(torch, case["dtype"]))
             out.append(2 * case["m"] * case["n"] * case["k"] / ns / 1e3)  # TFLOP/s
         elif case["kind"] == "overlap":
@@ -59,10 +65,11 @@ def run_predictions(cases: list[dict]) -> list[float]:
     """Groups the cases by profile and tuning, one mirage process each."""
     groups: dict[tuple, list[int]] = {}
     for i, case in enumerate(cases):
-        groups.setdefault((case["profile"], json.dumps(case.get("tuning", {}), sort_keys=True)), []).append(i)
+        groups.setdefault((case["profile"], json.dumps(case.get("tuning", {}), sort_keys=True),
+                           case["kind"] == "module"), []).append(i)
     predicted = [0.0] * len(cases)
     with tempfile.TemporaryDirectory(prefix="mirage-validate-") as scratch:
-        for (profile, tuning), indices in groups.items():
+        for (profile, tuning, modules), indices in groups.items():
             listing = Path(scratch) / "cases.json"
             listing.write_text(json.dumps([cases[i] for i in indices]))
             extra = []
@@ -70,6 +77,8 @@ def run_predictions(cases: list[dict]) -> list[float]:
                 tuning_file = Path(scratch) / "tuning.toml"
                 tuning_file.write_text("".join(f"{k} = {v}\n" for k, v in json.loads(tuning).items()))
                 extra = ["--timing-tuning", str(tuning_file)]
+            if modules:  # real modules: their kernels placed on the timeline, not run
+                extra.append("--predict-only")
             result = subprocess.run(
                 [sys.executable, "-m", "mirage", "run", "--quiet", "--in-process", "--timing", *extra, "--profile",
                  profile, "--gpus-per-node", "1", "--", sys.executable, __file__, "--predict", str(listing)],
@@ -83,6 +92,8 @@ def run_predictions(cases: list[dict]) -> list[float]:
 
 
 def describe(case: dict) -> str:
+    if case["kind"] == "module":
+        return f"eager {case['module'].replace('_', ' ')} {case['mode']}, size {case['size']}"
     if case["kind"] == "gemm":
         return f"GEMM {case['m']}x{case['n']}x{case['k']} {case['dtype']}"
     if case["kind"] == "overlap":
@@ -96,8 +107,9 @@ def describe(case: dict) -> str:
     return f"{case['op']} {case['bytes'] / 2**20:.0f} MiB, {where}"
 
 
-UNIT = {"overlap": "x slower", "gemm": "TFLOP/s", "attention": "TFLOP/s", "stream": "GB/s", "collective": "busbw GB/s"}
-GROUP = {"overlap": "overlap", "gemm": "gemm", "attention": "attention", "stream": "memory", "collective": "collective"}
+UNIT = {"module": "ms", "overlap": "x slower", "gemm": "TFLOP/s", "attention": "TFLOP/s", "stream": "GB/s", "collective": "busbw GB/s"}
+DIGITS = {"overlap": 2, "module": 4}  # the predicted figure's decimals
+GROUP = {"module": "eager module", "overlap": "overlap", "gemm": "gemm", "attention": "attention", "stream": "memory", "collective": "collective"}
 
 
 def table(cases: list[dict], predicted: list[float]) -> tuple[str, dict]:
@@ -108,7 +120,7 @@ def table(cases: list[dict], predicted: list[float]) -> tuple[str, dict]:
         group = GROUP[case["kind"]]
         errors.setdefault((case["set"], group), []).append(abs(error))
         rows.append(f"| {case['id']} | {case['set']} | {case['profile']} | {describe(case)} | {case['value']:g} "
-                    f"{UNIT[case['kind']]} | {value:.{2 if case['kind'] == 'overlap' else 1}f} | {100 * error:+.1f}% | {case['source']} |")
+                    f"{UNIT[case['kind']]} | {value:.{DIGITS.get(case['kind'], 1)}f} | {100 * error:+.1f}% | {case['source']} |")
     summary = {f"{s} {g}": {"cases": len(e), "median_abs_error": statistics.median(e)} for (s, g), e in sorted(errors.items())}
     held = [abs((v - c["value"]) / c["value"]) for c, v in zip(cases, predicted) if c["set"] == "held-out"]
     summary["held-out all"] = {"cases": len(held), "median_abs_error": statistics.median(held)}

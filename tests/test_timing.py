@@ -104,6 +104,31 @@ def test_an_op_that_updates_its_arguments_is_timed_for_what_it_reads_and_writes(
     assert timed["fused_adamw_ms"] == pytest.approx(expected, rel=1e-2)
 
 
+def test_kernels_off_pytorchs_vectorized_path_run_at_the_general_efficiency():
+    """A memory-bound kernel whose tensors are all dense and of one size streams at
+    memory_efficiency; a strided view (a chunk), a broadcast operand or a reduction takes PyTorch's
+    general path, at memory_efficiency_general (measured on H100 from eager SwiGLU over chunks,
+    docs/validation.md), and so does a copy from a strided view, where a dense one is a memcpy."""
+    run = mirage("run", "--quiet", "--timing", "--profile", "h100", "--gpus-per-node", "1", "--",
+                 sys.executable, str(WORKLOAD), "general")
+    assert run.returncode == 0, run.stderr
+    timed = last_json(run.stdout)
+    m = model("h100")
+    fixed = m["kernel_overhead_us"] * 1e3
+
+    def ms(moved: int, efficiency: str) -> float:
+        return (moved / (m["memory_bandwidth_gbs"] * m[efficiency]) + fixed) / 1e6
+
+    floats = 4 * 2**22  # the bytes of one 1024 x 4096 float32 operand
+    assert m["memory_efficiency_general"] < m["memory_efficiency"]
+    assert timed["dense_ms"] == pytest.approx(ms(3 * floats, "memory_efficiency"), rel=1e-3)
+    assert timed["strided_ms"] == pytest.approx(ms(3 * floats, "memory_efficiency_general"), rel=1e-3)
+    assert timed["broadcast_ms"] == pytest.approx(ms(2 * floats + 2 * 4 * 2**10, "memory_efficiency_general"), rel=1e-3)
+    assert timed["sum_ms"] == pytest.approx(ms(floats + 4 * 2**10, "memory_efficiency_general"), rel=1e-3)
+    assert timed["copy_ms"] == pytest.approx(ms(2 * floats, "memory_efficiency"), rel=1e-3)
+    assert timed["strided_copy_ms"] == pytest.approx(ms(2 * floats, "memory_efficiency_general"), rel=1e-3)
+
+
 def test_flex_attention_is_one_kernel_costed_by_the_blocks_it_visits(tmp_path):
     """FlexAttention's Triton kernel visits the blocks its BlockMask lists, whole: mirage's
     block-sparse implementation (many ops) is timed as that one kernel, by the attention model,

@@ -97,6 +97,8 @@ TIMING_KEYS: dict[str, str] = {
     "launch_us": "host time per kernel launch (the host's clock advances by it per op)",
     "kernel_overhead_us": "a kernel's fixed cost on the device",
     "memory_efficiency": "the fraction of memory_bandwidth_gbs streaming kernels reach",
+    "memory_efficiency_general": "the same for a memory-bound kernel whose tensors are not all dense and of one size "
+                                 "(broadcasts, strided views, reductions, gathers: PyTorch's non-vectorized path)",
     "host_link_gbs": "achievable host <-> device copy bandwidth, GB/s",
     "gemm_efficiency": "the fraction of peak_tflops large GEMMs reach",
     "gemm_efficiency_fp8": "the fraction of the FP8 peak large FP8 GEMMs reach",

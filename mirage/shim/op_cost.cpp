@@ -74,6 +74,7 @@ CostModel load_model() {
   m.launch_ns = static_cast<int64_t>(need(p, "launch_us") * 1e3);
   m.kernel_fixed_ns = need(p, "kernel_overhead_us") * 1e3;
   m.memory_bytes_per_ns = need(p, "memory_bandwidth_gbs") * need(p, "memory_efficiency") * kGBs;
+  m.general_bytes_per_ns = need(p, "memory_bandwidth_gbs") * need(p, "memory_efficiency_general") * kGBs;
   m.host_link_bytes_per_ns = need(p, "host_link_gbs") * kGBs;
   m.flops_per_ns_bf16 = need(p, "peak_tflops.bf16") * kTflops;
   m.flops_per_ns_fp16 = need(p, "peak_tflops.fp16") * kTflops;
@@ -163,7 +164,8 @@ const CostModel& cost_model() {
   return m;
 }
 
-KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, int64_t tiles, ComputeKind kind) {
+KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, int64_t tiles, ComputeKind kind,
+                       bool general) {
   const CostModel& m = cost_model();
   const bool fp8 = dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2 || dtype == at::kFloat8_e4m3fnuz ||
                    dtype == at::kFloat8_e5m2fnuz;
@@ -183,15 +185,16 @@ KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, int64_
   };
   const double compute = compute_on(m.compute_units);
   const double shared = compute_on(std::max<int64_t>(m.compute_units - m.nccl_compute_units, 1));
-  const double memory = static_cast<double>(bytes) / m.memory_bytes_per_ns;
+  const double memory =
+      static_cast<double>(bytes) / (general && flops <= 0 ? m.general_bytes_per_ns : m.memory_bytes_per_ns);
   const double ns = std::max(compute, memory) + m.kernel_fixed_ns;
   return {static_cast<int64_t>(std::llround(ns)), flops > 0 && compute >= memory ? WorkKind::kCompute : WorkKind::kMemory,
           static_cast<int64_t>(std::llround(std::max(shared, memory) + m.kernel_fixed_ns))};
 }
 
-int64_t copy_cost_ns(int64_t bytes, bool crosses_host) {
+int64_t copy_cost_ns(int64_t bytes, bool crosses_host, bool general) {
   const CostModel& m = cost_model();
-  if (!crosses_host) return kernel_cost(0, 2 * bytes, at::kByte, 0).ns;  // read and write on the device
+  if (!crosses_host) return kernel_cost(0, 2 * bytes, at::kByte, 0, ComputeKind::kGemm, general).ns;  // read and write
   return static_cast<int64_t>(std::llround(static_cast<double>(bytes) / m.host_link_bytes_per_ns + m.kernel_fixed_ns));
 }
 

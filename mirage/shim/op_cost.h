@@ -5,7 +5,10 @@
 //   kernel      max(FLOPs / (peak(dtype) x GEMM or attention efficiency x wave quantisation),
 //                   bytes / (HBM bandwidth x memory efficiency)) + fixed kernel cost
 //               FLOPs from torch.utils.flop_counter's formulas (matmul family, convolution,
-//               attention and their backwards); bytes: the tensors the kernel reads and writes
+//               attention and their backwards); bytes: the tensors the kernel reads and writes;
+//               the memory efficiency a streaming kernel's, or, for a kernel without FLOPs whose
+//               tensors are not all dense and of one size, the lower one of PyTorch's general
+//               (non-vectorized) path (KernelTraffic)
 //   copy        bytes / host-link bandwidth (host <-> device), else as a memory-bound kernel
 //   collective  latency + bytes x NCCL's bus factor / achievable bus bandwidth (nccl-tests'
 //               busbw) within a node, the faster of NCCL's protocols (Simple: full bandwidth
@@ -29,6 +32,7 @@ struct CostModel {
   int64_t launch_ns;              // host time per kernel launch
   double kernel_fixed_ns;         // a kernel's fixed cost (launch latency, ramp, tail)
   double memory_bytes_per_ns;     // achievable HBM bandwidth
+  double general_bytes_per_ns;    // the same on PyTorch's general path (KernelTraffic::general)
   double host_link_bytes_per_ns;  // achievable host <-> device bandwidth
   double flops_per_ns_bf16, flops_per_ns_fp16, flops_per_ns_fp8, flops_per_ns_fp32, flops_per_ns_tf32;
   double gemm_efficiency;         // the fraction of peak large GEMMs reach
@@ -66,10 +70,35 @@ struct KernelCost {
 // What a kernel's FLOPs run at: a GEMM's efficiency, or fused attention's (lower: its softmax
 // and rescaling sit between the two GEMMs on the critical path).
 enum class ComputeKind { kGemm, kAttention };
-// `tiles`: output tiles of a GEMM (0: not a GEMM), for wave quantisation.
+// What a kernel reads and writes, and whether PyTorch's vectorized fast path could take it: an
+// elementwise kernel over tensors that are all dense (contiguous, or permuted without gaps) and of
+// one size loads whole vectors; a broadcast, a strided view (a chunk, a slice), a reduction or a
+// gather goes through the general path, at a lower bandwidth (profile memory_efficiency_general:
+// eager SwiGLU over torch.chunk halves, on H100). Tensors of a list argument (foreach and fused
+// optimizers, cat) may differ in size: multi_tensor_apply vectorizes each.
+struct KernelTraffic {
+  int64_t bytes = 0;
+  int64_t numel = -1;    // the size every tensor outside lists has so far (-1: none yet)
+  bool general = false;  // some tensor is not dense, or not of that size
+  void add(const at::Tensor& t, bool in_list = false) {
+    bytes += static_cast<int64_t>(t.numel() * t.itemsize());
+    if (general) return;
+    if (!t.is_non_overlapping_and_dense()) {
+      general = true;
+    } else if (!in_list) {
+      if (numel < 0) numel = t.numel();
+      general = t.numel() != numel;
+    }
+  }
+};
+
+// `tiles`: output tiles of a GEMM (0: not a GEMM), for wave quantisation. `general`: the kernel
+// takes PyTorch's general path (KernelTraffic); only a kernel without FLOPs is slowed by it.
 KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, int64_t tiles,
-                       ComputeKind compute = ComputeKind::kGemm);
-int64_t copy_cost_ns(int64_t bytes, bool crosses_host);
+                       ComputeKind compute = ComputeKind::kGemm, bool general = false);
+// `general`: a device copy PyTorch cannot do as one memcpy or vectorized kernel (a strided side,
+// a broadcast source).
+int64_t copy_cost_ns(int64_t bytes, bool crosses_host, bool general = false);
 
 // torch.utils.flop_counter's count for one call of `op` (its registry, through the Python
 // operator mirage::flop_count the runtime implements); cached per operator and argument shapes.

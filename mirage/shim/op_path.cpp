@@ -119,17 +119,16 @@ static int64_t unreturned_write_bytes(const OpTraits& traits, const c10::IValue*
   return bytes;
 }
 
-// Clocked mode: a kernel of `op` on `device` reading `bytes_in` (its results' bytes are added)
-// placed on the device's current stream; the host waits for it where a GPU's would.
+// Clocked mode: a kernel of `op` on `device` reading what `traffic` counted of its arguments (its
+// results are added) placed on the device's current stream; the host waits for it where a GPU's would.
 static void clock_kernel(const c10::OperatorHandle& op, const OpTraits& traits, DeviceIndex device,
-                         at::ScalarType dtype, int64_t bytes_in, const std::vector<c10::IValue>& arguments,
+                         at::ScalarType dtype, KernelTraffic traffic, const std::vector<c10::IValue>& arguments,
                          const c10::IValue* results) {
   if (traits.returns_view || tl_kernel_depth > 0) return;  // a view launches nothing; a fused kernel is timed whole
-  int64_t bytes = bytes_in;
   for (size_t i = 0; i < traits.num_returns; ++i) {
     if (results[i].isTensor() && results[i].toTensor().defined()) {
       const at::Tensor& out = results[i].toTensor();
-      if (out.is_cuda()) bytes += static_cast<int64_t>(out.numel() * out.itemsize());
+      if (out.is_cuda()) traffic.add(out);
     }
   }
   double flops = 0;
@@ -138,9 +137,9 @@ static void clock_kernel(const c10::OperatorHandle& op, const OpTraits& traits, 
     flops = flop_count(op, arguments, results, traits.num_returns);
     tiles = gemm_tiles(op.schema(), results, traits.num_returns);
   }
-  const KernelCost cost = kernel_cost(flops, bytes, dtype, tiles);
+  const KernelCost cost = kernel_cost(flops, traffic.bytes, dtype, tiles, ComputeKind::kGemm, traffic.general);
   const int64_t end = run_on_stream(device, tl_stream[device], cost.ns, cost.kind, op.schema().name().c_str(),
-                                    bytes, flops, cost.shared_ns, dtype);
+                                    traffic.bytes, flops, cost.shared_ns, dtype);
   if (traits.synchronizes) host_waits_for(end);
 }
 
@@ -159,7 +158,9 @@ static bool predict_without_running(const c10::OperatorHandle& op, const OpTrait
     }
     // ...but a floating-point value no kernel computed reads as the placeholder 0 (README)
     const at::Tensor scalar = input.toTensor();
-    clock_kernel(op, traits, scalar.device().index(), scalar.scalar_type(), scalar.itemsize(), {input},
+    KernelTraffic read;
+    read.add(scalar);
+    clock_kernel(op, traits, scalar.device().index(), scalar.scalar_type(), read, {input},
                  stack->data() + (stack->size() - 1));
     stack->back() = c10::IValue(at::zeros({}, scalar.options().device(c10::kCPU)).item());
     return true;
@@ -168,9 +169,10 @@ static bool predict_without_running(const c10::OperatorHandle& op, const OpTrait
   std::vector<c10::IValue> arguments(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
   DeviceIndex device = -1;
   at::ScalarType dtype = at::kFloat;
-  int64_t bytes = 0;
+  KernelTraffic traffic;
   bool steering = true;  // every device tensor in holds integers or bools, in a small storage
   c10::SmallVector<const void*, 8> inputs;  // their storages
+  bool in_list = false;  // counting a list argument's tensors
   auto count = [&](const at::Tensor& t) {
     if (!t.defined() || !t.is_cuda()) return t;
     inputs.push_back(t.storage().data());
@@ -180,7 +182,7 @@ static bool predict_without_running(const c10::OperatorHandle& op, const OpTrait
     }
     steering = steering && !is_phantom_dtype(t.scalar_type()) &&
                static_cast<int64_t>(t.storage().nbytes()) <= kSteeringBytes;
-    bytes += static_cast<int64_t>(t.numel() * t.itemsize());
+    traffic.add(t, in_list);
     return t;
   };
   for (c10::IValue& iv : arguments) {
@@ -188,7 +190,9 @@ static bool predict_without_running(const c10::OperatorHandle& op, const OpTrait
       count(iv.toTensor());
     } else if (iv.isTensorList() || iv.isList()) {
       c10::IValue copy = iv;
+      in_list = true;
       map_tensor_lists(copy, count);
+      in_list = false;
     }
   }
   if (device < 0) return false;  // factories (no device tensor in): cheap, and their values may matter
@@ -196,7 +200,7 @@ static bool predict_without_running(const c10::OperatorHandle& op, const OpTrait
   // send_object_list concatenates and recv_object_list sums, token counts, indices), and the
   // host reads it as it is (is_phantom_dtype).
   if (steering) return false;
-  bytes += unreturned_write_bytes(traits, arguments.data());
+  traffic.bytes += unreturned_write_bytes(traits, arguments.data());
   if (!run_on_meta(op, stack, false, nullptr)) return false;
   // What such kernels read of a kernel that did not run (a mask compared from floating-point
   // data, indices of a maximum) is the placeholder 0, as the host reads floating-point data:
@@ -210,7 +214,7 @@ static bool predict_without_running(const c10::OperatorHandle& op, const OpTrait
       std::memset(out.storage().mutable_data(), 0, out.storage().nbytes());
     }
   }
-  clock_kernel(op, traits, device, dtype, bytes, arguments, stack->data() + (stack->size() - traits.num_returns));
+  clock_kernel(op, traits, device, dtype, traffic, arguments, stack->data() + (stack->size() - traits.num_returns));
   return true;
 }
 
@@ -223,7 +227,7 @@ struct OpCall {
   c10::SmallVector<Aliased, 8> aliased;
   c10::SmallVector<bool, 8> aliased_written;  // --check-races: whether the kernel writes aliased[i]
   DeviceIndex device = -1;
-  int64_t bytes = 0;                    // what the kernel reads and writes (clocked mode)
+  KernelTraffic traffic;                // what the kernel reads and writes (clocked mode)
   std::vector<c10::IValue> arguments;   // kept for the FLOP formula (clocked mode)
 
   // Replaces every device tensor among the arguments with its CPU alias, checking that all are on
@@ -235,6 +239,7 @@ struct OpCall {
     const bool count_bytes = timing();
     const bool check_races = races::on();
     bool writing = false;  // the argument being converted is written
+    bool in_list = false;  // converting a list argument's tensors
     c10::Device cpu_device(DeviceType::CPU);
     auto convert = [&](const at::Tensor& t, bool allow_cpu) -> at::Tensor {
       if (!t.defined()) return t;
@@ -252,7 +257,7 @@ struct OpCall {
       } else if (d != device) {
         device_mismatch(c10::Device(DeviceType::CUDA, device), t.device(), op);
       }
-      if (count_bytes) bytes += static_cast<int64_t>(t.numel() * t.itemsize());
+      if (count_bytes) traffic.add(t, in_list);
       at::Tensor a = cpu_alias(t);
       aliased.push_back({t, a});
       if (C10_UNLIKELY(check_races)) aliased_written.push_back(writing);
@@ -264,7 +269,9 @@ struct OpCall {
       if (iv.isTensor()) {
         iv = convert(iv.toTensor(), false);
       } else if (iv.isTensorList()) {
+        in_list = true;
         map_tensor_lists(iv, [&](const at::Tensor& t) { return convert(t, false); });
+        in_list = false;
       } else if (iv.isOptionalTensorList()) {
         // Index lists: real CUDA accepts CPU index tensors here.
         auto list = iv.toOptionalTensorList();
@@ -274,7 +281,9 @@ struct OpCall {
         }
         iv = std::move(list);
       } else if (iv.isList()) {  // Tensor[][] (c10d's allgather / reduce_scatter outputs)
+        in_list = true;
         map_tensor_lists(iv, [&](const at::Tensor& t) { return convert(t, false); });
+        in_list = false;
       } else if (iv.isDevice()) {
         c10::Device d = iv.toDevice();
         if (d.is_cuda()) {
@@ -284,7 +293,7 @@ struct OpCall {
       }
     }
     if (device < 0) device = tl_device;
-    if (count_bytes) bytes += unreturned_write_bytes(traits, stack->data() + base);
+    if (count_bytes) traffic.bytes += unreturned_write_bytes(traits, stack->data() + base);
     for (uint32_t i : traits.generator_args) {  // the CPU kernel takes a CPU generator
       c10::IValue& iv = (*stack)[base + i];
       const std::optional<at::Generator> given =
@@ -351,7 +360,7 @@ struct OpCall {
 
   // Clocked mode: the kernel's place on the predicted timeline of its device's current stream.
   void clock() {
-    clock_kernel(op, traits, device, dtype(), bytes, arguments, stack->data() + (stack->size() - traits.num_returns));
+    clock_kernel(op, traits, device, dtype(), traffic, arguments, stack->data() + (stack->size() - traits.num_returns));
   }
 
   // --check-races: the kernel reads and writes its arguments as its schema says and writes its fresh

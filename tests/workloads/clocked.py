@@ -67,17 +67,19 @@ def flex() -> None:
     print(json.dumps(blocks))
 
 
+def timed(fn) -> float:
+    """The time of `fn`'s device work, between two events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def inplace() -> None:
     """Ops that update their arguments and return nothing (foreach in-place, a fused AdamW step)
     against ones that return their results: each timed with events, as the same traffic."""
-    def timed(fn) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-
     params = [torch.zeros(2**22, device="cuda") for _ in range(4)]
     grads = [torch.ones_like(p) for p in params]
     moments = [torch.zeros_like(p) for p in params] + [torch.zeros_like(p) for p in params]
@@ -90,6 +92,22 @@ def inplace() -> None:
         "fused_adamw_ms": timed(lambda: torch._fused_adamw_(params, grads, moments[:4], moments[4:], [], steps, lr=1e-3,
                                                              beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8,
                                                              amsgrad=False, maximize=False)),
+    }))
+
+
+def general() -> None:
+    """Elementwise kernels over the same bytes, on PyTorch's vectorized path (dense tensors of one
+    size) and off it (a strided view, a broadcast operand, a row reduction, a strided copy)."""
+    wide = torch.zeros(2**10, 2**13, device="cuda")
+    half, other = wide[:, : 2**12], torch.zeros(2**10, 2**12, device="cuda")
+    row = torch.zeros(2**10, 1, device="cuda")
+    print(json.dumps({
+        "dense_ms": timed(lambda: torch.mul(other, other)),
+        "strided_ms": timed(lambda: torch.mul(half, other)),
+        "broadcast_ms": timed(lambda: torch.mul(other, row)),
+        "sum_ms": timed(lambda: other.sum(-1)),
+        "copy_ms": timed(lambda: other.copy_(other)),
+        "strided_copy_ms": timed(lambda: other.copy_(half)),
     }))
 
 
@@ -277,4 +295,4 @@ def graph() -> None:
     print(json.dumps(times))
 
 
-{"gemm": gemm, "attention": attention, "flex": flex, "inplace": inplace, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
+{"gemm": gemm, "attention": attention, "flex": flex, "inplace": inplace, "general": general, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
