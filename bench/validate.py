@@ -1,6 +1,6 @@
 """Validation: clocked mode's predictions against published measurements (bench/validation_cases.toml).
 
-    python bench/validate.py [--write docs/validation.md]
+    python bench/validate.py [--write docs/validation.md] [--run-e2e all | ID ...]
 
 For each case it asks the model of the case's profile (in a `mirage run --timing --profile P`
 process, with the case's tuning where its system differs from the profile, e.g. its NIC) for the
@@ -11,6 +11,10 @@ PyTorch module (bench/eager_modules.py) under `--predict-only` and time it with 
 its source did (ms: a negative error is a prediction too fast). Cases in the calibration set are
 those the profiles' [timing] numbers were taken from; the held-out set's median error is the
 figure of merit. Runs in about a minute: nothing is computed on this machine but the model.
+
+`--run-e2e` first reruns end-to-end rows (bench/e2e_runs.py: `all` is every row predicted
+before, about 25 minutes on 2 cores) and records their predictions in validation_cases.toml, so
+`python bench/validate.py --run-e2e all --write docs/validation.md` regenerates both sets.
 """
 
 from __future__ import annotations
@@ -177,6 +181,8 @@ def write_block(path: Path, name: str, block: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--write", metavar="PATH", help="also write the table into this markdown file (between markers)")
+    ap.add_argument("--run-e2e", nargs="+", metavar="ID",
+                    help="rerun these end-to-end rows first (`all`: every row predicted before) and record them")
     ap.add_argument("--predict", metavar="CASES_JSON", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.predict:
@@ -185,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("MIRAGE_SESSION"):
         print("bench/validate.py starts mirage itself: run it with plain python", file=sys.stderr)
         return 2
+    if args.run_e2e:
+        from e2e_runs import rerun  # bench/e2e_runs.py, beside this script
+
+        if rerun(tomllib.loads(CASES.read_text())["e2e"], args.run_e2e):
+            print("validate: some end-to-end rows failed (above); the others are recorded", file=sys.stderr)
     listed = tomllib.loads(CASES.read_text())
     cases = listed["case"]
     predicted = run_predictions(cases)
