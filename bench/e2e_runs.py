@@ -102,13 +102,16 @@ def rerun(rows: list[dict], wanted: list[str]) -> int:
         raise SystemExit(f"validate: {', '.join(unknown)} cannot be rerun (not an [[e2e]] row with a command or a case); "
                          f"runnable: {', '.join(runnable)}")
     commit, failed = mirage_commit(), 0
-    for rid in wanted:
+    for done, rid in enumerate(wanted):
+        print(f"[{done + 1}/{len(wanted)}] {rid} ...", flush=True)
         figures = run_row(runnable[rid])
         if "error" in figures:
             failed += 1
             print(f"{rid}: failed, left as it was: {figures['error']}", file=sys.stderr, flush=True)
             continue
-        CASES.write_text(record(CASES.read_text(), runnable[rid], figures, commit))
+        updated = CASES.with_suffix(".toml.new")  # replaced whole, so an interrupted run leaves the file intact
+        updated.write_text(record(CASES.read_text(), runnable[rid], figures, commit))
+        updated.replace(CASES)
         error = 100 * (figures["tokens"] / runnable[rid]["tokens_per_s_per_gpu"] - 1)
         print(f"{rid}: {figures['tokens']:,.0f} tokens/s/GPU ({error:+.1f}%), {figures['step_ms']} ms per step, "
               f"{figures['wall_s']} s", flush=True)
