@@ -10,8 +10,10 @@ of a `mirage run --timing --predict-only` process, so the kernels are PyTorch's 
 the op path, and only their predicted time is compared.
 
 The modes are Liger's: `forward` (the module), `backward` (backward from a kept output with a
-random gradient, parameters' gradients accumulating; the inputs' gradients reset before each
-call) and `full` (forward, a random gradient of the output's shape, backward).
+random gradient made once, parameters' gradients accumulating; the inputs' gradients reset
+before each call) and `full` (forward, then backward with that gradient; a scalar loss backward
+from its implicit 1). `peak_mib` is Liger's memory figure: the peak device memory allocated
+during `full`, the inputs and gradients made before it included.
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class _RMSNorm(torch.nn.Module):
-    """transformers' LlamaRMSNorm: normalised in float32, cast back, scaled by the weight."""
+    """transformers' LlamaRMSNorm as Liger's benchmark copies it: normalised in float32, cast back
+    to the input's dtype, scaled by a float32 weight (so a bfloat16 input gives a float32 output)."""
 
-    def __init__(self, hidden: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(hidden, dtype=dtype))
+        self.weight = torch.nn.Parameter(torch.ones(hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -54,7 +57,7 @@ def _layer_norm(size: int) -> tuple[list[torch.Tensor], Callable[[], torch.Tenso
 def _rms_norm(size: int) -> tuple[list[torch.Tensor], Callable[[], torch.Tensor]]:
     """LlamaRMSNorm over `size` features of 2048 bfloat16 rows."""
     x = torch.randn(2048, size, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
-    norm = _RMSNorm(size, torch.bfloat16).to(DEVICE)
+    norm = _RMSNorm(size).to(DEVICE)
     return [x], lambda: norm(x)
 
 
@@ -62,7 +65,7 @@ def _add_rms_norm(size: int) -> tuple[list[torch.Tensor], Callable[[], torch.Ten
     """The residual add before an RMSNorm, in float32 (Liger's naive fused_add_rms_norm), 2048 rows."""
     x = torch.randn(2048, size, device=DEVICE, requires_grad=True)
     residual = torch.randn(2048, size, device=DEVICE, requires_grad=True)
-    norm = _RMSNorm(size, torch.float32).to(DEVICE)
+    norm = _RMSNorm(size).to(DEVICE)
     return [x], lambda: norm(x.to(torch.float32) + residual.to(torch.float32))
 
 
@@ -112,27 +115,42 @@ MODULES: dict[str, Callable[[int], tuple[list[torch.Tensor], Callable[[], object
     "swiglu": _swiglu, "rope": _rope, "cross_entropy": _cross_entropy}
 
 
-def time_ms(module: str, size: int, mode: str, repeats: int = 3) -> float:
-    """The median time of one call in `mode`, as triton.testing.do_bench takes it: a 256 MB buffer
-    zeroed before each call (do_bench's L2 flush), CUDA events around the call alone."""
+# Modules whose source differentiates with torch.autograd.grad (no .grad kept between calls).
+_GRAD_ONLY = {"rope"}
+
+
+def _call(module: str, size: int, mode: str) -> tuple[list[torch.Tensor], Callable[[], object]]:
+    """The module's inputs and its call in `mode`. The output gradients are made once beforehand,
+    in the input's dtype as the sources make them (`torch.randn_like(x)`: a bfloat16 gradient of
+    RMSNorm's float32 output is cast by autograd on every call); the forward that gave their shapes
+    is kept only for `backward`, which runs from it."""
     inputs, forward = MODULES[module](size)
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=DEVICE)
 
     def outputs() -> tuple[torch.Tensor, ...]:
         out = forward()
         return out if isinstance(out, tuple) else (out,)
-    if mode == "forward":
-        call = forward
-    elif mode == "backward":
-        kept = outputs()
-        grads = [torch.randn_like(t) for t in kept]
 
-        def call() -> None:
-            torch.autograd.backward(kept, grads, retain_graph=True)
-    else:
-        def call() -> None:
-            out = outputs()
-            torch.autograd.backward(out, [torch.randn_like(t) for t in out])
+    def differentiate(out: tuple[torch.Tensor, ...], **kwargs: bool) -> None:
+        if module in _GRAD_ONLY:
+            torch.autograd.grad(out, inputs, grads, **kwargs)
+        else:
+            torch.autograd.backward(out, grads, **kwargs)
+    kept = outputs()
+    dtype = inputs[0].dtype
+    grads = None if kept[0].dim() == 0 else [torch.randn_like(t, dtype=dtype) for t in kept]  # a loss: its implicit 1
+    if mode == "forward":
+        return inputs, forward
+    if mode == "backward":
+        return inputs, lambda: differentiate(kept, retain_graph=True)
+    del kept
+    return inputs, lambda: differentiate(outputs())
+
+
+def time_ms(module: str, size: int, mode: str, repeats: int = 3) -> float:
+    """The median time of one call in `mode`, as triton.testing.do_bench takes it: a 256 MB buffer
+    zeroed before each call (do_bench's L2 flush), CUDA events around the call alone."""
+    inputs, call = _call(module, size, mode)
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=DEVICE)
     call()
     times = []
     for _ in range(repeats):
@@ -146,3 +164,15 @@ def time_ms(module: str, size: int, mode: str, repeats: int = 3) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def peak_mib(module: str, size: int, repeats: int = 3) -> float:
+    """The median, over calls of `full`, of the peak memory allocated during the call (MiB), as
+    Liger's _test_memory takes it (the peak statistics reset before each call, gradients kept)."""
+    _, full = _call(module, size, "full")
+    peaks = []
+    for _ in range(repeats):
+        torch.cuda.reset_peak_memory_stats()
+        full()
+        peaks.append(torch.cuda.max_memory_allocated() / 2**20)
+    return statistics.median(peaks)

@@ -8,7 +8,9 @@ predicted time of the same GEMM, fused attention, streaming kernel or collective
 slower a GEMM runs beside a collective), turns it into the unit the source
 reports (TFLOP/s, GB/s, nccl-tests busbw) and prints the error. `module` cases run an eager
 PyTorch module (bench/eager_modules.py) under `--predict-only` and time it with CUDA events as
-its source did (ms: a negative error is a prediction too fast). Cases in the calibration set are
+its source did (ms: a negative error is a prediction too fast), and `module_memory` cases its
+peak memory allocated over a forward and backward (the allocator model against the published
+peak). Cases in the calibration set are
 those the profiles' [timing] numbers were taken from; the held-out set's median error is the
 figure of merit. Runs in about a minute: nothing is computed on this machine but the model.
 
@@ -42,10 +44,13 @@ def predict(cases: list[dict]) -> list[float]:
 
     out = []
     for case in cases:
-        if case["kind"] == "module":
-            from eager_modules import time_ms  # bench/eager_modules.py, beside this script
+        if case["kind"] in ("module", "module_memory"):
+            from eager_modules import peak_mib, time_ms  # bench/eager_modules.py, beside this script
 
-            out.append(time_ms(case["module"], case["size"], case["mode"]))  # ms
+            if case["kind"] == "module":
+                out.append(time_ms(case["module"], case["size"], case["mode"]))  # ms
+            else:
+                out.append(peak_mib(case["module"], case["size"]))  # MiB
         elif case["kind"] == "gemm":
             ns = torch.ops.mirage.clock_predict_gemm_ns(case["m"], case["n"], case["k"], getattr(torch, case["dtype"]))
             out.append(2 * case["m"] * case["n"] * case["k"] / ns / 1e3)  # TFLOP/s
@@ -70,7 +75,7 @@ def run_predictions(cases: list[dict]) -> list[float]:
     groups: dict[tuple, list[int]] = {}
     for i, case in enumerate(cases):
         groups.setdefault((case["profile"], json.dumps(case.get("tuning", {}), sort_keys=True),
-                           case["kind"] == "module"), []).append(i)
+                           case["kind"].startswith("module")), []).append(i)
     predicted = [0.0] * len(cases)
     with tempfile.TemporaryDirectory(prefix="mirage-validate-") as scratch:
         for (profile, tuning, modules), indices in groups.items():
@@ -98,6 +103,8 @@ def run_predictions(cases: list[dict]) -> list[float]:
 def describe(case: dict) -> str:
     if case["kind"] == "module":
         return f"eager {case['module'].replace('_', ' ')} {case['mode']}, size {case['size']}"
+    if case["kind"] == "module_memory":
+        return f"eager {case['module'].replace('_', ' ')} forward + backward, size {case['size']}: peak allocated"
     if case["kind"] == "gemm":
         return f"GEMM {case['m']}x{case['n']}x{case['k']} {case['dtype']}"
     if case["kind"] == "overlap":
@@ -111,9 +118,9 @@ def describe(case: dict) -> str:
     return f"{case['op']} {case['bytes'] / 2**20:.0f} MiB, {where}"
 
 
-UNIT = {"module": "ms", "overlap": "x slower", "gemm": "TFLOP/s", "attention": "TFLOP/s", "stream": "GB/s", "collective": "busbw GB/s"}
-DIGITS = {"overlap": 2, "module": 4}  # the predicted figure's decimals
-GROUP = {"module": "eager module", "overlap": "overlap", "gemm": "gemm", "attention": "attention", "stream": "memory", "collective": "collective"}
+UNIT = {"module": "ms", "module_memory": "MiB", "overlap": "x slower", "gemm": "TFLOP/s", "attention": "TFLOP/s", "stream": "GB/s", "collective": "busbw GB/s"}
+DIGITS = {"overlap": 2, "module": 4, "module_memory": 1}  # the predicted figure's decimals
+GROUP = {"module": "eager module", "module_memory": "eager module memory", "overlap": "overlap", "gemm": "gemm", "attention": "attention", "stream": "memory", "collective": "collective"}
 
 
 def table(cases: list[dict], predicted: list[float]) -> tuple[str, dict]:
