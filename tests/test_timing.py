@@ -81,7 +81,10 @@ def test_fused_attention_runs_at_the_profiles_attention_efficiency():
     assert run.returncode == 0, run.stderr
     m = model("h100")
     b, h, s, d = 2, 8, 1024, 128
-    flops = 4 * b * h * s * s * d / 2  # causal: the fused kernel skips the masked half
+    rows = s // m["attention_block_rows"]
+    # causal: the fused kernel skips the blocks above the diagonal, and computes whole the blocks
+    # of rows the diagonal crosses: (rows + 1) / 2 rows' worth of rows x s scores
+    flops = 4 * b * h * s * s * d * (rows + 1) / (2 * rows)
     compute_ns = flops / (m["peak_tflops.bf16"] * 1e3 * m["attention_efficiency"])
     expected_ms = (compute_ns + m["kernel_overhead_us"] * 1e3) / 1e6
     assert last_json(run.stdout)["attention_ms"] == pytest.approx(expected_ms, rel=1e-2)

@@ -129,7 +129,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, c10::SymInt, c10::SymInt, Tensor, Ten
                                 query.options().dtype(rocm ? at::kLong : at::kUInt64));
   const Tensor offset = at::zeros({}, seed.options());
   if (timing() && kernel.outermost) {
-    clock_fused_kernel("aten::_scaled_dot_product_flash_attention", {query, key, value}, {out, logsumexp}, is_causal);
+    clock_fused_kernel("aten::_scaled_dot_product_flash_attention", {query, key, value}, {out, logsumexp}, is_causal,
+                       query.size(-2), key.size(-2));
   }
   // logsumexp (B, H, L) float and contiguous, as the meta kernel says (the CPU kernel's is a
   // transposed (B, L, H)).
@@ -149,7 +150,8 @@ std::tuple<Tensor, Tensor, Tensor> flash_attention_backward(const Tensor& grad_o
                                     grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, {}, scale);
   if (timing() && kernel.outermost) {
     clock_fused_kernel("aten::_scaled_dot_product_flash_attention_backward", {grad_out, query, key, value, out},
-                       {std::get<0>(grads), std::get<1>(grads), std::get<2>(grads)}, is_causal);
+                       {std::get<0>(grads), std::get<1>(grads), std::get<2>(grads)}, is_causal, query.size(-2),
+                       key.size(-2));
   }
   return grads;
 }
@@ -181,7 +183,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> efficient_attention(const Tensor& que
   if (rows > 0) lse.narrow(2, 0, length).copy_(logsumexp);
   const Tensor seed = at::zeros({}, query.options().dtype(at::kLong));
   if (timing() && kernel.outermost) {
-    clock_fused_kernel("aten::_scaled_dot_product_efficient_attention", {query, key, value}, {out, lse}, is_causal);
+    clock_fused_kernel("aten::_scaled_dot_product_efficient_attention", {query, key, value}, {out, lse}, is_causal,
+                       query.size(-2), key.size(-2));
   }
   return {out, lse, seed, seed.clone()};
 }
@@ -234,7 +237,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> efficient_attention_backward(const Te
                                                    dropout_p, grad_input_mask, is_causal, scale);
   if (timing() && kernel.outermost) {
     clock_fused_kernel("aten::_scaled_dot_product_efficient_attention_backward", {grad_out, query, key, value, out},
-                       {std::get<0>(grads), std::get<1>(grads), std::get<2>(grads)}, is_causal);
+                       {std::get<0>(grads), std::get<1>(grads), std::get<2>(grads)}, is_causal, query.size(-2),
+                       key.size(-2));
   }
   return grads;
 }

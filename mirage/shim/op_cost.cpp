@@ -84,6 +84,7 @@ CostModel load_model() {
   m.gemm_efficiency = need(p, "gemm_efficiency");
   m.gemm_efficiency_fp8 = need(p, "gemm_efficiency_fp8");
   m.attention_efficiency = need(p, "attention_efficiency");
+  m.attention_block_rows = static_cast<int64_t>(need(p, "attention_block_rows"));
   m.tile_m = static_cast<int64_t>(need(p, "gemm_tile_m"));
   m.tile_n = static_cast<int64_t>(need(p, "gemm_tile_n"));
   m.compute_units = static_cast<int64_t>(need(p, "compute_units"));
@@ -253,8 +254,15 @@ int64_t gemm_tiles(const c10::FunctionSchema& schema, const c10::IValue* results
   return output_tiles(batch, out.size(-2), out.size(-1));
 }
 
+double causal_work(int64_t seq_q, int64_t seq_k) {
+  const int64_t block = cost_model().attention_block_rows;
+  if (seq_q != seq_k || seq_q <= 0 || block <= 0) return 0.5;
+  const double rows = static_cast<double>((seq_q + block - 1) / block);
+  return (rows + 1) / (2 * rows);
+}
+
 void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs,
-                        std::initializer_list<at::Tensor> outputs, bool causal) {
+                        std::initializer_list<at::Tensor> outputs, bool causal, int64_t seq_q, int64_t seq_k) {
   const at::Tensor& first = *inputs.begin();
   const DeviceIndex dev = first.device().index();
   int64_t bytes = 0;
@@ -269,8 +277,9 @@ void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs
   }
   const c10::OperatorHandle handle = c10::Dispatcher::singleton().findSchemaOrThrow(op, "");
   const double counted = has_flop_formula(handle.schema()) ? flop_count(handle, args, results.data(), results.size()) : 0;
-  const double flops = causal ? counted / 2 : counted;
-  const KernelCost cost = kernel_cost(flops, bytes, first.scalar_type(), 0, ComputeKind::kAttention);
+  const double flops = causal ? counted / 2 : counted;  // the model's FLOPs (MFU); the time follows the work done
+  const KernelCost cost =
+      kernel_cost(causal ? counted * causal_work(seq_q, seq_k) : counted, bytes, first.scalar_type(), 0, ComputeKind::kAttention);
   run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, handle.schema().name().c_str(), bytes, flops, cost.shared_ns,
                 first.scalar_type());
 }
@@ -345,11 +354,11 @@ MIRAGE_LIBRARY(m) {
           const int64_t bytes = (rows * inner + inner * cols + rows * cols) * static_cast<int64_t>(c10::elementSize(dtype));
           return mirage::kernel_cost(flops, bytes, dtype, mirage::output_tiles(1, rows, cols)).shared_ns;
         });
-  // Fused attention's forward over batch x heads x seq x head_dim (FlashAttention's benchmark
-  // counts 4 x b x h x s^2 x d FLOPs, half of them when causal).
+  // Fused attention's forward over batch x heads x seq x head_dim (4 x b x h x s^2 x d FLOPs, of
+  // which a causal kernel does causal_work).
   m.def("clock_predict_attention_ns(int batch, int heads, int seq, int head_dim, bool causal, ScalarType dtype) -> int",
         [](int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, bool causal, c10::ScalarType dtype) -> int64_t {
-          const double flops = 4.0 * batch * heads * seq * seq * head_dim / (causal ? 2 : 1);
+          const double flops = 4.0 * batch * heads * seq * seq * head_dim * (causal ? mirage::causal_work(seq, seq) : 1.0);
           const int64_t bytes = 4 * batch * heads * seq * head_dim * static_cast<int64_t>(c10::elementSize(dtype));
           return mirage::kernel_cost(flops, bytes, dtype, 0, mirage::ComputeKind::kAttention).ns;
         });
