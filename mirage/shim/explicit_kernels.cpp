@@ -57,9 +57,11 @@ static void clock_copy(const at::Tensor& self, const at::Tensor& src, bool non_b
   const bool crosses_host = !self.is_cuda() || !src.is_cuda();
   const DeviceIndex dev = on_device.device().index();
   const int64_t bytes = static_cast<int64_t>(self.numel() * self.itemsize());
-  // a device copy between dense tensors of one size is a memcpy or a vectorized kernel
-  const bool general = !crosses_host && (!self.is_non_overlapping_and_dense() || !src.is_non_overlapping_and_dense() ||
-                                         self.numel() != src.numel());
+  // a device copy between dense tensors of one size is a memcpy or a vectorized kernel (KernelTraffic's rule)
+  KernelTraffic sides;
+  sides.add(self);
+  sides.add(src);
+  const bool general = !crosses_host && sides.general;
   const int64_t end = run_on_stream(dev, tl_stream[dev], copy_cost_ns(bytes, crosses_host, general),
                                     crosses_host ? WorkKind::kCopy : WorkKind::kMemory, crosses_host ?
                                     (self.is_cuda() ? "Memcpy HtoD" : "Memcpy DtoH") : "Memcpy DtoD", bytes, 0);

@@ -278,8 +278,8 @@ void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs
   const c10::OperatorHandle handle = c10::Dispatcher::singleton().findSchemaOrThrow(op, "");
   const double counted = has_flop_formula(handle.schema()) ? flop_count(handle, args, results.data(), results.size()) : 0;
   const double flops = causal ? counted / 2 : counted;  // the model's FLOPs (MFU); the time follows the work done
-  const KernelCost cost =
-      kernel_cost(causal ? counted * causal_work(seq_q, seq_k) : counted, bytes, first.scalar_type(), 0, ComputeKind::kAttention);
+  const double work = causal ? counted * causal_work(seq_q, seq_k) : counted;
+  const KernelCost cost = kernel_cost(work, bytes, first.scalar_type(), 0, ComputeKind::kAttention);
   run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, handle.schema().name().c_str(), bytes, flops, cost.shared_ns,
                 first.scalar_type());
 }
