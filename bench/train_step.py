@@ -5,7 +5,7 @@ without mirage, against `mirage run -- python train.py` on `cuda`. Run it with t
 python, outside mirage (it starts mirage itself):
 
     .venv/bin/python bench/train_step.py [--steps 20] [--warmup 3] [--threads default 1]
-                                         [--workload mlp small llama module_db] [--timed] [--check-races]
+                                         [--workload mlp small blocks llama module_db] [--timed] [--check-races]
 
 Each workload runs in three processes at once, started from the same seed, doing identical work:
 
@@ -30,6 +30,9 @@ device, foreach on cuda and not on cpu, which would compare different work):
 
   mlp        4 x Linear(2048, 2048), ReLU between, batch 256
   small      60 x [Linear(64, 64) + LayerNorm(64) + GELU], batch 32: about 3,000 small ops a step
+  blocks     a model written as users write one (issue 33's second small-op step): 48 residual
+             blocks, each x + GELU(LayerNorm(Linear(96, 96)(x))) in a Module of its own, batch 16,
+             AdamW with weight decay: about 2,800 small ops a step, most of them the optimizer's
   llama      transformers' LlamaForCausalLM from a config (no download): 2 layers, width 128,
              4 heads, vocabulary 1024, batch 8 x 64 tokens; reported as steps per second too
   module_db  one "step" is a pass over every third ModuleInfo of PyTorch's module_db: each float32
@@ -67,7 +70,8 @@ REPO = Path(__file__).resolve().parent.parent
 # name: (description, target for emulated/native by thread setting)
 WORKLOADS: dict[str, tuple[str, dict[str, float | None]]] = {
     "mlp": ("4 x Linear(2048,2048)+ReLU, batch 256", {"default": 1.05, "1": 1.05}),
-    "small": ("60 x [Linear(64,64)+LayerNorm+GELU], batch 32", {"default": 1.3, "1": 1.2}),
+    "small": ("60 x [Linear(64,64)+LayerNorm+GELU], batch 32", {"default": 1.15, "1": 1.15}),
+    "blocks": ("48 x residual [Linear(96,96)+LayerNorm+GELU], batch 16", {"default": 1.15, "1": 1.15}),
     "llama": ("transformers Llama 2 x 128, vocab 1024, batch 8 x 64", {"default": 1.2, "1": 1.2}),
     "module_db": ("every 3rd ModuleInfo of module_db, fwd+bwd per sample", {"default": None, "1": None}),
 }
@@ -104,6 +108,19 @@ def build_workload(name: str, device):
         model = nn.Sequential(*layers).to(device)
         x, y = torch.randn(batch, width).to(device), torch.randn(batch, width).to(device)
         loss_of = lambda: nn.functional.mse_loss(model(x), y)  # noqa: E731
+    elif name == "blocks":
+        class Block(nn.Module):
+            def __init__(self, width: int) -> None:
+                super().__init__()
+                self.linear, self.norm = nn.Linear(width, width), nn.LayerNorm(width)
+
+            def forward(self, x):
+                return x + nn.functional.gelu(self.norm(self.linear(x)))
+
+        width, batch = 96, 16
+        model = nn.Sequential(*[Block(width) for _ in range(48)]).to(device)
+        x, y = torch.randn(batch, width).to(device), torch.randn(batch, width).to(device)
+        loss_of = lambda: nn.functional.mse_loss(model(x), y)  # noqa: E731
     elif name == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -116,7 +133,8 @@ def build_workload(name: str, device):
         return module_db_pass(device), None
     else:
         raise ValueError(name)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01 if name == "blocks" else 0.0,
+                                  foreach=False)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -364,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     if "llama" in args.workload and importlib.util.find_spec("transformers") is None:
         print("bench/train_step.py: the llama workload needs transformers, which is not installed here.\n"
               f"Fix: {sys.executable} -m pip install transformers torch==2.13.0   (the pin keeps the CPU build of "
-              "torch), or leave it out: --workload mlp small module_db", file=sys.stderr)
+              "torch), or leave it out: --workload mlp small blocks module_db", file=sys.stderr)
         return 2
     results = []
     with tempfile.TemporaryDirectory(prefix="mirage-train-step-") as scratch:

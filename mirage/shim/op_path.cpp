@@ -15,11 +15,15 @@
 #include "race_checker.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Operators.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -218,6 +222,51 @@ static bool predict_without_running(const c10::OperatorHandle& op, const OpTrait
   return true;
 }
 
+// A CPU kernel's results as device tensors: an argument's alias -> the argument; a view of an
+// alias -> a view of the argument's storage; anything else is fresh CPU memory, re-labelled as
+// memory of the device (in place where the result alone holds it, else on a new device storage
+// shared by its views), which is where the allocator model counts it. `Alias` has `orig` (a
+// device tensor, or a pointer to one) and `alias` (its CPU alias).
+template <class Alias>
+struct DeviceResults {
+  const c10::SmallVectorImpl<Alias>& aliased;
+  DeviceIndex device;
+  c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 2> adopted{};
+
+  static const at::Tensor& orig_of(const Alias& a) {
+    if constexpr (std::is_pointer_v<decltype(a.orig)>) {
+      return *a.orig;
+    } else {
+      return a.orig;
+    }
+  }
+
+  at::Tensor map_back(const at::Tensor& out) {
+    if (!out.defined() || out.device().type() != DeviceType::CPU || out.layout() != c10::kStrided) return out;
+    c10::StorageImpl* s = out.storage().unsafeGetStorageImpl();
+    for (auto& a : aliased) {
+      if (a.alias.unsafeGetTensorImpl() == out.unsafeGetTensorImpl()) return orig_of(a);
+    }
+    for (auto& a : aliased) {
+      if (a.alias.storage().unsafeGetStorageImpl() == s) return on_storage(orig_of(a).storage(), out);
+    }
+    for (auto& p : adopted) {
+      if (p.first == s) return on_storage(p.second, out);
+    }
+    adopted.emplace_back(s, adopt_storage(out.storage(), device));
+    return on_storage(adopted.back().second, out);
+  }
+
+  // The common case, one fresh tensor that nothing else holds, is re-labelled in place.
+  at::Tensor operator()(at::Tensor&& out) {
+    if (out.defined() && out.device().type() == DeviceType::CPU && out.layout() == c10::kStrided &&
+        relabel_in_place(out, device)) {
+      return std::move(out);
+    }
+    return map_back(out);
+  }
+};
+
 // One call of an operator on the op path: its device arguments aliased as CPU tensors, the CPU
 // kernel run on them, its CPU results turned into device tensors.
 struct OpCall {
@@ -312,45 +361,20 @@ struct OpCall {
   }
 
   // Writes (in-place / out=) may have resized an alias: that goes back to the device tensor.
-  // Results: an alias itself -> the original; a view of an alias -> a view of the original
-  // storage; anything else is fresh CPU memory, re-labelled as memory of the device (in place
-  // where the result alone holds it, else on a new device storage shared by its views), which
-  // is where the allocator model counts it.
+  // Results become device tensors (DeviceResults).
   void adopt_results() {
     if (!aliased.empty() && traits.is_mutable) {
       for (auto& a : aliased) sync_back(a.orig, a.alias);
     }
-    c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 2> adopted;
-    auto map_back = [&](const at::Tensor& out) -> at::Tensor {
-      if (!out.defined() || out.device().type() != DeviceType::CPU || out.layout() != c10::kStrided) return out;
-      c10::StorageImpl* s = out.storage().unsafeGetStorageImpl();
-      for (auto& a : aliased) {
-        if (a.alias.unsafeGetTensorImpl() == out.unsafeGetTensorImpl()) return a.orig;
-      }
-      for (auto& a : aliased) {
-        if (a.alias.storage().unsafeGetStorageImpl() == s) return on_storage(a.orig.storage(), out);
-      }
-      for (auto& p : adopted) {
-        if (p.first == s) return on_storage(p.second, out);
-      }
-      adopted.emplace_back(s, adopt_storage(out.storage(), device));
-      return on_storage(adopted.back().second, out);
-    };
+    DeviceResults<Aliased> results{aliased, device};
     const size_t ret_base = stack->size() - traits.num_returns;
     for (size_t i = 0; i < traits.num_returns; ++i) {
       c10::IValue& iv = (*stack)[ret_base + i];
       if (iv.isTensor()) {
-        // The common case, one fresh tensor that nothing else holds: take it out of the IValue so
-        // that the IValue's reference does not count, re-label it, put it back.
-        at::Tensor out = std::move(iv).toTensor();
-        if (out.defined() && out.device().type() == DeviceType::CPU && out.layout() == c10::kStrided &&
-            relabel_in_place(out, device)) {
-          iv = std::move(out);
-          continue;
-        }
-        iv = map_back(out);
+        // Taken out of the IValue so that the IValue's reference does not count (relabel_in_place).
+        iv = results(std::move(iv).toTensor());
       } else {
-        map_tensor_lists(iv, map_back);
+        map_tensor_lists(iv, [&](const at::Tensor& out) { return results.map_back(out); });
       }
     }
   }
@@ -436,6 +460,157 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
   call.release_aliases();
 }
 
+// The unboxed op path: the same call as `fallback` for the hottest small ops, without boxing.
+// A boxed call packs every argument into a stack of IValues and the CPU kernel unpacks it again,
+// which on a kernel of a few microseconds (an optimizer's per-parameter step, a small layer) is
+// a tenth of the op. These ops take their C++ arguments directly: tensors aliased as CPU tensors,
+// the CPU kernel called through its typed redispatch, results adopted as `fallback` adopts them.
+// Whatever observes work beyond memory and busy time (clocked mode, --check-races, a fault, a
+// graph capture, torch.profiler's GPU side) goes through `fallback`, so each of those still sees
+// every op in one place.
+namespace unboxed {
+
+// Plain emulation: nothing that needs the boxed call's view of the op is on.
+static bool plain() {
+  return !timing() && !races::on() && !capturing() && !g_fault_ops.load(std::memory_order_relaxed) &&
+         !profiling_device();
+}
+
+struct Alias {
+  const at::Tensor* orig;  // the caller's argument
+  at::Tensor alias;
+};
+
+struct Call {
+  c10::SmallVector<Alias, 6> aliased;
+  DeviceIndex device = -1;
+  bool one_device = true;  // false: a tensor on another device (the boxed path raises PyTorch's error)
+
+  at::Tensor cpu(const at::Tensor& t) {
+    if (!t.defined()) return t;
+    if (t.device().type() != DeviceType::CUDA) {
+      if (t.dim() > 0) one_device = false;  // a CPU scalar is fine, as on CUDA
+      return t;
+    }
+    if (device < 0) device = t.device().index();
+    if (t.device().index() != device) one_device = false;
+    aliased.push_back({&t, cpu_alias(t)});
+    return aliased.back().alias;
+  }
+
+  // An argument as the CPU kernel takes it: tensors as their CPU aliases, the rest as given.
+  // (Taken as lvalues: the arguments are forwarded again, untouched, when the boxed path runs.)
+  template <class T>
+  decltype(auto) convert(T& value) {
+    using Plain = std::remove_const_t<T>;
+    if constexpr (std::is_same_v<Plain, at::Tensor>) {
+      return cpu(value);
+    } else if constexpr (std::is_same_v<Plain, std::optional<at::Tensor>>) {
+      return value.has_value() ? std::optional<at::Tensor>(cpu(*value)) : std::optional<at::Tensor>();
+    } else {
+      return (value);
+    }
+  }
+
+  ~Call() {
+    for (auto& a : aliased) recycle_alias(std::move(a.alias));
+  }
+};
+
+template <class T>
+using Converted = std::conditional_t<std::is_same_v<std::decay_t<T>, at::Tensor>, at::Tensor,
+                  std::conditional_t<std::is_same_v<std::decay_t<T>, std::optional<at::Tensor>>,
+                                     std::optional<at::Tensor>, T>>;
+
+template <class Op, class Schema = typename Op::schema>
+struct Kernel;
+
+template <class Op, class Ret, class... Args>
+struct Kernel<Op, Ret(Args...)> {
+  static constexpr bool kMutates = (std::is_same_v<Args, at::Tensor&> || ...);
+
+  static const c10::OperatorHandle& handle() {
+    static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow(Op::name, Op::overload_name);
+    return op;
+  }
+
+  static Ret boxed(c10::DispatchKeySet keys, Args... args) {
+    return c10::impl::BoxedKernelWrapper<Ret(Args...)>::call(c10::BoxedKernel::makeFromFunction<&fallback>(), handle(),
+                                                              keys, std::forward<Args>(args)...);
+  }
+
+  static Ret call(c10::DispatchKeySet keys, Args... args) {
+    if (!plain()) return boxed(keys, std::forward<Args>(args)...);
+    Call call;
+    std::tuple<Converted<Args>...> cpu_args{call.convert(args)...};
+    if (!call.one_device) {
+      call.aliased.clear();
+      return boxed(keys, std::forward<Args>(args)...);
+    }
+    if (call.device < 0) call.device = tl_device;
+    count_launch();  // torch.profiler's launch count, as fallback keeps it
+    auto run = [&]() -> Ret {
+      BusyTimer busy(call.device);  // utilization (host time)
+      DeviceKernelRunning running;  // its CPU allocations are not the process's CPU memory (cpu_allocator.h)
+      return std::apply([](auto&... cpu) -> Ret {
+        return Op::redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), cpu...);
+      }, cpu_args);
+    };
+    if constexpr (std::is_same_v<Ret, at::Tensor&>) {  // in-place and out=: the argument written
+      const at::Tensor& written = run();
+      for (auto& a : call.aliased) sync_back(*a.orig, a.alias);
+      for (auto& a : call.aliased) {
+        if (a.alias.unsafeGetTensorImpl() == written.unsafeGetTensorImpl()) return const_cast<at::Tensor&>(*a.orig);
+      }
+      TORCH_INTERNAL_ASSERT(false, "mirage: ", Op::name, " returned a tensor that is not its argument");
+    } else {
+      Ret out = run();
+      if constexpr (kMutates) {
+        for (auto& a : call.aliased) sync_back(*a.orig, a.alias);
+      }
+      DeviceResults<Alias> results{call.aliased, call.device};
+      if constexpr (std::is_same_v<Ret, at::Tensor>) {
+        return results(std::move(out));
+      } else {  // a tuple of tensors
+        return std::apply([&](auto&... each) { return Ret{results(std::move(each))...}; }, out);
+      }
+    }
+  }
+};
+
+template <class Op>
+torch::CppFunction kernel() {
+  return torch::CppFunction::makeFromUnboxedFunction(TORCH_FN(Kernel<Op>::call));
+}
+
+// The ops of small training steps (a linear layer, a norm, an activation, a loss, AdamW's
+// per-parameter update), by their profile (docs/benchmarks.md, issue 33).
+static std::vector<std::pair<std::string, torch::CppFunction (*)()>> hot_ops() {
+  namespace ops = at::_ops;
+  return {
+      {"add.Tensor", &kernel<ops::add_Tensor>}, {"add_.Tensor", &kernel<ops::add__Tensor>},
+      {"sub.Tensor", &kernel<ops::sub_Tensor>}, {"mul.Tensor", &kernel<ops::mul_Tensor>},
+      {"mul_.Tensor", &kernel<ops::mul__Tensor>}, {"div.Tensor", &kernel<ops::div_Tensor>},
+      {"div_.Tensor", &kernel<ops::div__Tensor>}, {"lerp_.Scalar", &kernel<ops::lerp__Scalar>},
+      {"addcmul_", &kernel<ops::addcmul_>}, {"addcdiv_", &kernel<ops::addcdiv_>},
+      {"sqrt", &kernel<ops::sqrt>}, {"rsqrt", &kernel<ops::rsqrt>}, {"neg", &kernel<ops::neg>},
+      {"mm", &kernel<ops::mm>}, {"addmm", &kernel<ops::addmm>}, {"bmm", &kernel<ops::bmm>},
+      {"native_layer_norm", &kernel<ops::native_layer_norm>},
+      {"native_layer_norm_backward", &kernel<ops::native_layer_norm_backward>},
+      {"gelu", &kernel<ops::gelu>}, {"gelu_backward", &kernel<ops::gelu_backward>},
+      {"silu", &kernel<ops::silu>}, {"silu_backward", &kernel<ops::silu_backward>},
+      {"threshold_backward", &kernel<ops::threshold_backward>}, {"clamp_min", &kernel<ops::clamp_min>},
+      {"sum.dim_IntList", &kernel<ops::sum_dim_IntList>}, {"mean.dim", &kernel<ops::mean_dim>},
+      {"pow.Tensor_Scalar", &kernel<ops::pow_Tensor_Scalar>},
+      {"mse_loss", &kernel<ops::mse_loss>}, {"mse_loss_backward", &kernel<ops::mse_loss_backward>},
+      {"_softmax", &kernel<ops::_softmax>}, {"_log_softmax", &kernel<ops::_log_softmax>},
+      {"_softmax_backward_data", &kernel<ops::_softmax_backward_data>},
+      {"_log_softmax_backward_data", &kernel<ops::_log_softmax_backward_data>},
+  };
+}
+
+}  // namespace unboxed
+
 // Aten ops with a CPU kernel but no CUDA kernel would otherwise reach CUDA through a
 // CompositeExplicitAutogradNonFunctional "default backend kernel" (a functional wrapper around
 // the out= variant), which behaves differently from the CPU path (extra out= resizes, warnings).
@@ -443,6 +618,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
 static const int g_register_cpu_twins = [] {
   static torch::Library aten(torch::Library::IMPL, "aten", c10::DispatchKey::CUDA, __FILE__, __LINE__);
   auto& dispatcher = c10::Dispatcher::singleton();
+  const auto hot = unboxed::hot_ops();
   // (c10d's ops keep torch's own CUDA kernels: they hand device tensors to the group's cuda
   // backend, the emulated NCCL of mirage/nccl.)
   for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
@@ -451,7 +627,8 @@ static const int g_register_cpu_twins = [] {
     if (!op || !op->hasKernelForDispatchKey(c10::DispatchKey::CPU)) continue;
     if (op->hasKernelForDispatchKey(c10::DispatchKey::CUDA)) continue;
     std::string qualified = name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name);
-    aten.impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
+    auto fast = std::find_if(hot.begin(), hot.end(), [&](const auto& entry) { return entry.first == qualified; });
+    aten.impl(qualified.c_str(), fast != hot.end() ? fast->second() : torch::CppFunction::makeFromBoxedFunction<&fallback>());
   }
   return 0;
 }();
