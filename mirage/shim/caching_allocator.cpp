@@ -112,7 +112,7 @@ bool DeviceCache::new_segment(BlockPool& pool, size_t size, int64_t stream, bool
     return false;
   }
   if (host) private_segments_[reinterpret_cast<uintptr_t>(host)] = bytes;
-  out = new CachedBlock{stream, bytes, 0, next_address_, &pool};
+  out = make_block(CachedBlock{stream, bytes, 0, next_address_, &pool});
   out->host = host;
   next_address_ += bytes;
   reserved_total_ += static_cast<int64_t>(bytes);
@@ -143,7 +143,7 @@ CachedBlock* DeviceCache::find_expandable(BlockPool& pool, size_t size, int64_t 
   const size_t span = round_up(std::max<size_t>(capacity + capacity / 8, size), page);
   spaces_.push_back(std::make_unique<ExpandableSpace>(ExpandableSpace{next_address_, span, page}));
   next_address_ += span;
-  auto* whole = new CachedBlock{stream, span, 0, spaces_.back()->base, &pool};
+  auto* whole = make_block(CachedBlock{stream, span, 0, spaces_.back()->base, &pool});
   whole->mapped = false;
   whole->space = spaces_.back().get();
   pool.unmapped.insert(whole);
@@ -158,7 +158,7 @@ bool DeviceCache::map(CachedBlock* block, size_t size, const Reserve& reserve) {
   pool.unmapped.erase(block);
   block->mapped = true;
   if (bytes < block->size) {
-    auto* rest = new CachedBlock{block->stream, block->size - bytes, 0, block->address + bytes, &pool};
+    auto* rest = make_block(CachedBlock{block->stream, block->size - bytes, 0, block->address + bytes, &pool});
     rest->mapped = false;
     rest->space = block->space;
     rest->prev = block;
@@ -204,7 +204,7 @@ void DeviceCache::unmap(CachedBlock* block, const Release& release) {
   if (first >= last) return;
   pool.blocks.erase(block);
   if (first > block->address) {
-    auto* before = new CachedBlock{block->stream, first - block->address, 0, block->address, &pool};
+    auto* before = make_block(CachedBlock{block->stream, first - block->address, 0, block->address, &pool});
     before->space = block->space;
     before->prev = block->prev;
     if (before->prev) before->prev->next = before;
@@ -213,7 +213,7 @@ void DeviceCache::unmap(CachedBlock* block, const Release& release) {
     cache(before);
   }
   if (block->address + block->size > last) {
-    auto* after = new CachedBlock{block->stream, block->address + block->size - last, 0, last, &pool};
+    auto* after = make_block(CachedBlock{block->stream, block->address + block->size - last, 0, last, &pool});
     after->space = block->space;
     after->next = block->next;
     if (after->next) after->next->prev = after;
@@ -241,7 +241,7 @@ void DeviceCache::release_space(CachedBlock* block) {
   spaces_.erase(std::remove_if(spaces_.begin(), spaces_.end(),
                                [block](const std::unique_ptr<ExpandableSpace>& s) { return s.get() == block->space; }),
                 spaces_.end());
-  delete block;
+  drop_block(block);
 }
 
 // garbage_collection_threshold: once reserved memory passes the threshold of the allowed memory,
@@ -287,7 +287,7 @@ void DeviceCache::release_segment(CachedBlock* block, const Release& release) {
     private_segments_.erase(reinterpret_cast<uintptr_t>(block->host));
     free_device_bytes(block->host);
   }
-  delete block;
+  drop_block(block);
 }
 
 // With max_split_size set: frees cached oversize segments (largest first) until `size` fits.
@@ -370,7 +370,7 @@ CachedBlock* DeviceCache::allocate(size_t requested, int64_t stream, const Reser
   const size_t size = round_size(requested);
   PoolPair* pair = &default_;
   if (pool_id != PoolId{0, 0}) {
-    auto [it, fresh] = private_.try_emplace(pool_id);
+    auto [it, fresh] = private_.try_emplace(pool_id, &nodes_);
     if (fresh) it->second.small.owner = it->second.large.owner = pool_id;
     pair = &it->second;
   }
@@ -404,7 +404,7 @@ CachedBlock* DeviceCache::use_block(CachedBlock* block, size_t size, size_t requ
   const bool already_split = block->is_split();
   if (split) {
     auto* rest = block;
-    block = new CachedBlock{stream, size, 0, rest->address, &pool};
+    block = make_block(CachedBlock{stream, size, 0, rest->address, &pool});
     block->prev = rest->prev;
     if (block->prev) block->prev->next = block;
     block->next = rest;
@@ -458,7 +458,7 @@ size_t DeviceCache::merge(CachedBlock* dst, CachedBlock* src) {
   } else {
     dst->pool->unmapped.erase(src);
   }
-  delete src;
+  drop_block(src);
   return subsumed;
 }
 

@@ -45,6 +45,48 @@ namespace mirage {
 
 struct CachedBlock;
 
+// Nodes of one size kept for reuse: every split and merge makes and drops a block and the free-
+// block sets' tree nodes, which from the heap cost a malloc and a free each (a small op allocates
+// and frees a block or two). Used under the owning cache's lock, like everything it serves.
+class NodePool {
+ public:
+  void* take(size_t bytes) {
+    if (!head_) return ::operator new(bytes);
+    void* node = head_;
+    head_ = *static_cast<void**>(node);
+    return node;
+  }
+  void give(void* node) {
+    *static_cast<void**>(node) = head_;
+    head_ = node;
+  }
+
+ private:
+  void* head_ = nullptr;
+};
+
+// The free-block sets' allocator: their tree nodes (all of one type) from a NodePool.
+template <class T>
+struct PooledAllocator {
+  using value_type = T;
+  NodePool* pool;
+  explicit PooledAllocator(NodePool* p) : pool(p) {}
+  template <class U>
+  PooledAllocator(const PooledAllocator<U>& other) : pool(other.pool) {}
+  T* allocate(size_t n) {
+    return static_cast<T*>(n == 1 ? pool->take(sizeof(T)) : ::operator new(n * sizeof(T)));
+  }
+  void deallocate(T* p, size_t n) {
+    if (n == 1) {
+      pool->give(p);
+    } else {
+      ::operator delete(p);
+    }
+  }
+  template <class U>
+  bool operator==(const PooledAllocator<U>& other) const { return pool == other.pool; }
+};
+
 struct BlockOrder {  // as the real allocator's BlockComparatorSize: stream, size, address
   bool operator()(const CachedBlock* a, const CachedBlock* b) const;
 };
@@ -63,16 +105,19 @@ struct ExpandableSpace {
 using PoolId = std::pair<uint64_t, uint64_t>;  // a MemPool's id; {0, 0}: the default pools
 
 struct BlockPool {
-  explicit BlockPool(bool small) : is_small(small) {}
-  std::set<CachedBlock*, BlockOrder> blocks;       // free mapped blocks
-  std::set<CachedBlock*, AddressOrder> unmapped;   // unmapped ranges of expandable segments
+  BlockPool(bool small, NodePool* nodes)
+      : blocks(BlockOrder(), PooledAllocator<CachedBlock*>(nodes)),
+        unmapped(AddressOrder(), PooledAllocator<CachedBlock*>(nodes)), is_small(small) {}
+  std::set<CachedBlock*, BlockOrder, PooledAllocator<CachedBlock*>> blocks;       // free mapped blocks
+  std::set<CachedBlock*, AddressOrder, PooledAllocator<CachedBlock*>> unmapped;   // unmapped ranges of expandable segments
   bool is_small;
   PoolId owner{0, 0};
   int64_t free_block_searches = 0;  // garbage collection's clock (the real get_free_blocks_call_count)
 };
 
 struct PoolPair {
-  BlockPool small{true}, large{false};
+  explicit PoolPair(NodePool* nodes) : small(true, nodes), large(false, nodes) {}
+  BlockPool small, large;
   bool released = false;  // its MemPool is gone: empty_cache may free its segments
 };
 
@@ -228,8 +273,17 @@ class DeviceCache {
   }
   void tell(TraceAction action, const CachedBlock* block) const;
 
+  // A block from the block pool, and back (all under the lock).
+  CachedBlock* make_block(const CachedBlock& init) { return new (blocks_.take(sizeof(CachedBlock))) CachedBlock(init); }
+  void drop_block(CachedBlock* block) {
+    block->~CachedBlock();
+    blocks_.give(block);
+  }
+
   std::mutex mu_;
-  PoolPair default_;
+  NodePool nodes_;   // the free-block sets' tree nodes
+  NodePool blocks_;  // CachedBlocks
+  PoolPair default_{&nodes_};
   std::map<PoolId, PoolPair> private_;
   ActiveBlocks active_;
   std::map<uintptr_t, size_t> private_segments_;  // host memory of private pools' segments: base -> bytes
