@@ -354,7 +354,7 @@ void DeviceCache::release_segments_locked(const Release& release) {
 }
 
 void DeviceCache::release_pool(PoolId pool, const Release& release, const Observer* observe) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<SpinLock> lock(mu_);
   auto it = private_.find(pool);
   if (it == private_.end()) return;
   observe_ = observe;
@@ -365,7 +365,7 @@ void DeviceCache::release_pool(PoolId pool, const Release& release, const Observ
 
 CachedBlock* DeviceCache::allocate(size_t requested, int64_t stream, const Reserve& reserve, const Release& release,
                                    const Observer* observe, PoolId pool_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<SpinLock> lock(mu_);
   observe_ = observe;
   const size_t size = round_size(requested);
   PoolPair* pair = &default_;
@@ -469,7 +469,7 @@ void DeviceCache::cache(CachedBlock* block) {
 }
 
 void DeviceCache::free(CachedBlock* block, const Observer* observe) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<SpinLock> lock(mu_);
   if (observe) {  // work is synchronous: the free completes as it is requested
     (*observe)(TraceAction::free_requested, block->address, block->requested, block->stream);
     (*observe)(TraceAction::free_completed, block->address, block->requested, block->stream);
@@ -503,7 +503,7 @@ void DeviceCache::free_locked(CachedBlock* block) {
 }
 
 void DeviceCache::release_cached(const Release& release, const Observer* observe) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<SpinLock> lock(mu_);
   observe_ = observe;
   release_segments_locked(release);
   observe_ = nullptr;
@@ -515,14 +515,14 @@ void DeviceCache::set_limits(size_t capacity, size_t allowed_by_fraction) {
 }
 
 c10::CachingDeviceAllocator::DeviceStats DeviceCache::stats() {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<SpinLock> lock(mu_);
   c10::CachingDeviceAllocator::DeviceStats copy = stats_;
   copy.max_split_size = static_cast<int64_t>(max_split_size());
   return copy;
 }
 
 void DeviceCache::reset_peak() {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<SpinLock> lock(mu_);
   for (StatArray* array : {&stats_.allocation, &stats_.segment, &stats_.active, &stats_.inactive_split,
                            &stats_.allocated_bytes, &stats_.reserved_bytes, &stats_.active_bytes,
                            &stats_.inactive_split_bytes, &stats_.requested_bytes}) {
@@ -533,7 +533,7 @@ void DeviceCache::reset_peak() {
 }
 
 void DeviceCache::reset_accumulated() {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<SpinLock> lock(mu_);
   for (StatArray* array : {&stats_.allocation, &stats_.segment, &stats_.active, &stats_.inactive_split,
                            &stats_.allocated_bytes, &stats_.reserved_bytes, &stats_.active_bytes,
                            &stats_.inactive_split_bytes, &stats_.requested_bytes}) {
@@ -545,17 +545,17 @@ void DeviceCache::reset_accumulated() {
 }
 
 int64_t DeviceCache::reserved() {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<SpinLock> lock(mu_);
   return reserved_total_;
 }
 
 int64_t DeviceCache::allocated() {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<SpinLock> lock(mu_);
   return stats_.allocated_bytes[0].current;
 }
 
 std::vector<SegmentView> DeviceCache::segments() {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<SpinLock> lock(mu_);
   std::vector<SegmentView> out;
   std::vector<const CachedBlock*> heads;
   auto add_heads = [&heads](const auto& blocks) {  // each contiguous mapped range is a segment
@@ -592,7 +592,7 @@ std::vector<SegmentView> DeviceCache::pool_segments(PoolId pool) {
 }
 
 DeviceCache::Restored DeviceCache::restore_pool(PoolId pool_id, const std::vector<SegmentView>& checkpoint) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<SpinLock> lock(mu_);
   observe_ = nullptr;
   auto it = private_.find(pool_id);
   TORCH_CHECK(it != private_.end(), "Could not find pool of id");
@@ -634,7 +634,7 @@ DeviceCache::Restored DeviceCache::restore_pool(PoolId pool_id, const std::vecto
 }
 
 std::vector<char*> DeviceCache::pool_live_blocks(PoolId pool) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<SpinLock> lock(mu_);
   std::vector<char*> out;
   for (const CachedBlock* b : active_) {
     if (b->pool->owner == pool) out.push_back(b->host);
@@ -644,7 +644,7 @@ std::vector<char*> DeviceCache::pool_live_blocks(PoolId pool) {
 
 bool DeviceCache::in_private_segment(const void* p) {
   const auto address = reinterpret_cast<uintptr_t>(p);
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<SpinLock> lock(mu_);
   auto it = private_segments_.upper_bound(address);
   if (it == private_segments_.begin()) return false;
   --it;

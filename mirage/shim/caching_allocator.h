@@ -37,6 +37,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <set>
 #include <string>
 #include <vector>
@@ -44,6 +45,22 @@
 namespace mirage {
 
 struct CachedBlock;
+
+// The cache's lock. It is held for well under a microsecond on the common path, by threads that
+// seldom meet (the Python thread, autograd's device thread, the emulated NCCL's), where a
+// futex-backed mutex's lock and unlock cost more than the bookkeeping they guard; a waiter yields.
+class SpinLock {
+ public:
+  void lock() {
+    while (held_.exchange(true, std::memory_order_acquire)) {
+      while (held_.load(std::memory_order_relaxed)) std::this_thread::yield();
+    }
+  }
+  void unlock() { held_.store(false, std::memory_order_release); }
+
+ private:
+  std::atomic<bool> held_{false};
+};
 
 // Nodes of one size kept for reuse: every split and merge makes and drops a block and the free-
 // block sets' tree nodes, which from the heap cost a malloc and a free each (a small op allocates
@@ -280,7 +297,7 @@ class DeviceCache {
     blocks_.give(block);
   }
 
-  std::mutex mu_;
+  SpinLock mu_;
   NodePool nodes_;   // the free-block sets' tree nodes
   NodePool blocks_;  // CachedBlocks
   PoolPair default_{&nodes_};
