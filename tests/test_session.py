@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, mirage
 from escapees import HIDING_COUNT, WatchedCgroup, hiding_workload, recorded, still_running
 from mirage import launcher, profiles
-from mirage.launcher import nodes
+from mirage.launcher import nodes, sessions
 
 SHM = Path("/dev/shm")
 
@@ -256,6 +256,26 @@ def _cmdline(entry: Path) -> bytes:
         return (entry / "cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def test_a_session_folder_its_run_has_not_named_yet_is_not_reclaimed():
+    """A run makes its session folder, then names itself in it (run.pid); every mirage command
+    first reclaims dead sessions, and one starting in between once removed a starting run's
+    folder (four `mirage run`s started together by bench/train_step.py: FileNotFoundError at the
+    run's scratch folder). A folder without run.pid is a starting run's for a grace period and a
+    dead run's after it."""
+    starting = launcher.runtime_root() / "20261205-000000-5ea7ed"
+    starting.mkdir(mode=0o700)
+    try:
+        assert mirage("ps").returncode == 0
+        assert starting.is_dir(), "a starting run's folder was reclaimed"
+        made_long_ago = time.time() - sessions.STARTING_GRACE_SECONDS - 5
+        os.utime(starting, (made_long_ago, made_long_ago))
+        assert mirage("ps").returncode == 0
+        assert not starting.exists(), "a folder no run named within the grace period was kept"
+    finally:
+        if starting.exists():
+            starting.rmdir()
 
 
 def test_cleanup_leaves_a_live_in_process_run_alone():

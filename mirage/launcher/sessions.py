@@ -8,7 +8,8 @@ are gone. Should the reaper die too, a session directory whose socket does not a
 command before it does anything else, reclaims (its stranded processes, found by the
 MIRAGE_SESSION in their environment, its /dev/shm segments, its directory). The run's pid keeps
 an `--in-process` session (no service) and a service too busy to answer in time from being taken
-for dead.
+for dead, and a folder its run has not named yet (a run just starting) is left alone for
+STARTING_GRACE_SECONDS.
 """
 
 from __future__ import annotations
@@ -136,9 +137,22 @@ def exec_in_session(session_id: str | None, node: int, command: list[str]) -> in
     return 128 - code if code < 0 else code
 
 
+# A run creates its session folder and then names itself in run.pid; another mirage command
+# starting in between (every command first reclaims dead sessions) must not take the folder for a
+# dead session's. A folder not yet named is left alone this long after it was made.
+STARTING_GRACE_SECONDS = 60.0
+
+
 def _run_alive(session_dir: Path) -> bool:
+    """Whether the session's `mirage run` lives (or is still starting: its folder not yet named)."""
     try:
         pid, started = (session_dir / RUN_PID_NAME).read_text().split()
+    except (OSError, ValueError):  # no run.pid yet, or one being written
+        try:
+            return time.time() - session_dir.stat().st_mtime < STARTING_GRACE_SECONDS
+        except OSError:
+            return False
+    try:
         return process_start_time(int(pid)) == started
     except (OSError, ValueError):
         return False
