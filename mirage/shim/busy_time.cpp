@@ -55,7 +55,7 @@ MIRAGE_LIBRARY(m) {
     const auto dev = static_cast<c10::DeviceIndex>(device);
     const bool profiled = !mirage::timing() && mirage::profiling_device();
     mirage::tl_busy_regions.push_back(std::unique_ptr<mirage::BusyRegion>(
-        new mirage::BusyRegion{mirage::BusyTimer(dev), dev, profiled ? mirage::profiler_wall_ns() : -1}));
+        new mirage::BusyRegion{mirage::BusyTimer(dev, /*precise=*/true), dev, profiled ? mirage::profiler_wall_ns() : -1}));
   });
   m.def("busy_region_exit() -> ()", []() {
     TORCH_CHECK(!mirage::tl_busy_regions.empty(), "busy_region_exit without busy_region_enter");
