@@ -578,34 +578,33 @@ struct Kernel<Op, Ret(Args...)> {
   }
 };
 
+// An op's registration: its name as `aten.impl` takes it ("add.Tensor"), read off at::_ops.
+struct HotOp {
+  std::string name;
+  torch::CppFunction (*kernel)();
+};
+
 template <class Op>
-torch::CppFunction kernel() {
-  return torch::CppFunction::makeFromUnboxedFunction(TORCH_FN(Kernel<Op>::call));
+HotOp hot() {
+  const std::string overload = Op::overload_name;
+  return {std::string(Op::name).substr(6) + (overload.empty() ? "" : "." + overload),
+          [] { return torch::CppFunction::makeFromUnboxedFunction(TORCH_FN(Kernel<Op>::call)); }};
 }
 
 // The ops of small training steps (a linear layer, a norm, an activation, a loss, AdamW's
 // per-parameter update), by their profile (docs/benchmarks.md, issue 33).
-static std::vector<std::pair<std::string, torch::CppFunction (*)()>> hot_ops() {
+static std::vector<HotOp> hot_ops() {
   namespace ops = at::_ops;
   return {
-      {"add.Tensor", &kernel<ops::add_Tensor>}, {"add_.Tensor", &kernel<ops::add__Tensor>},
-      {"sub.Tensor", &kernel<ops::sub_Tensor>}, {"mul.Tensor", &kernel<ops::mul_Tensor>},
-      {"mul_.Tensor", &kernel<ops::mul__Tensor>}, {"div.Tensor", &kernel<ops::div_Tensor>},
-      {"div_.Tensor", &kernel<ops::div__Tensor>}, {"lerp_.Scalar", &kernel<ops::lerp__Scalar>},
-      {"addcmul_", &kernel<ops::addcmul_>}, {"addcdiv_", &kernel<ops::addcdiv_>},
-      {"sqrt", &kernel<ops::sqrt>}, {"rsqrt", &kernel<ops::rsqrt>}, {"neg", &kernel<ops::neg>},
-      {"mm", &kernel<ops::mm>}, {"addmm", &kernel<ops::addmm>}, {"bmm", &kernel<ops::bmm>},
-      {"native_layer_norm", &kernel<ops::native_layer_norm>},
-      {"native_layer_norm_backward", &kernel<ops::native_layer_norm_backward>},
-      {"gelu", &kernel<ops::gelu>}, {"gelu_backward", &kernel<ops::gelu_backward>},
-      {"silu", &kernel<ops::silu>}, {"silu_backward", &kernel<ops::silu_backward>},
-      {"threshold_backward", &kernel<ops::threshold_backward>}, {"clamp_min", &kernel<ops::clamp_min>},
-      {"sum.dim_IntList", &kernel<ops::sum_dim_IntList>}, {"mean.dim", &kernel<ops::mean_dim>},
-      {"pow.Tensor_Scalar", &kernel<ops::pow_Tensor_Scalar>},
-      {"mse_loss", &kernel<ops::mse_loss>}, {"mse_loss_backward", &kernel<ops::mse_loss_backward>},
-      {"_softmax", &kernel<ops::_softmax>}, {"_log_softmax", &kernel<ops::_log_softmax>},
-      {"_softmax_backward_data", &kernel<ops::_softmax_backward_data>},
-      {"_log_softmax_backward_data", &kernel<ops::_log_softmax_backward_data>},
+      hot<ops::add_Tensor>(), hot<ops::add__Tensor>(), hot<ops::sub_Tensor>(), hot<ops::mul_Tensor>(),
+      hot<ops::mul__Tensor>(), hot<ops::div_Tensor>(), hot<ops::div__Tensor>(), hot<ops::lerp__Scalar>(),
+      hot<ops::addcmul_>(), hot<ops::addcdiv_>(), hot<ops::sqrt>(), hot<ops::rsqrt>(), hot<ops::neg>(),
+      hot<ops::mm>(), hot<ops::addmm>(), hot<ops::bmm>(), hot<ops::native_layer_norm>(),
+      hot<ops::native_layer_norm_backward>(), hot<ops::gelu>(), hot<ops::gelu_backward>(), hot<ops::silu>(),
+      hot<ops::silu_backward>(), hot<ops::threshold_backward>(), hot<ops::clamp_min>(),
+      hot<ops::sum_dim_IntList>(), hot<ops::mean_dim>(), hot<ops::pow_Tensor_Scalar>(), hot<ops::mse_loss>(),
+      hot<ops::mse_loss_backward>(), hot<ops::_softmax>(), hot<ops::_log_softmax>(),
+      hot<ops::_softmax_backward_data>(), hot<ops::_log_softmax_backward_data>(),
   };
 }
 
@@ -627,8 +626,8 @@ static const int g_register_cpu_twins = [] {
     if (!op || !op->hasKernelForDispatchKey(c10::DispatchKey::CPU)) continue;
     if (op->hasKernelForDispatchKey(c10::DispatchKey::CUDA)) continue;
     std::string qualified = name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name);
-    auto fast = std::find_if(hot.begin(), hot.end(), [&](const auto& entry) { return entry.first == qualified; });
-    aten.impl(qualified.c_str(), fast != hot.end() ? fast->second() : torch::CppFunction::makeFromBoxedFunction<&fallback>());
+    auto fast = std::find_if(hot.begin(), hot.end(), [&](const unboxed::HotOp& entry) { return entry.name == qualified; });
+    aten.impl(qualified.c_str(), fast != hot.end() ? fast->kernel() : torch::CppFunction::makeFromBoxedFunction<&fallback>());
   }
   return 0;
 }();
