@@ -4,7 +4,17 @@
 // (profile_memory=True) must not be told of them as CPU allocations, as torch's CPU allocator
 // tells it of every allocation. While a device kernel runs on a thread (DeviceKernelRunning),
 // its CPU allocations are made without that report; all others are torch's own.
+//
+// Those allocations' bytes, and device blocks' under 1 MiB, come from a cache of freed host
+// bytes (host_bytes_take / host_bytes_give) rather than straight from malloc. A device step
+// allocates on one thread and frees on another (autograd runs a GPU's backward on a thread of
+// its own, where a CPU backward runs on the caller's), and glibc files a block freed on another
+// thread in that thread's arena: the next allocation of the same size misses its own cache,
+// takes the arena's lock and gets colder memory. The cache is shared by the threads, so the
+// block freed last is the next one handed out, as the GPU caching allocator reuses device memory.
 #pragma once
+
+#include <cstddef>
 
 namespace mirage {
 
@@ -16,5 +26,14 @@ struct DeviceKernelRunning {
   DeviceKernelRunning(const DeviceKernelRunning&) = delete;
   DeviceKernelRunning& operator=(const DeviceKernelRunning&) = delete;
 };
+
+// At least `nbytes` of host memory, 64-byte aligned: a cached block of the smallest size class
+// that holds it, else a fresh one (c10::alloc_cpu) of that class's size.
+void* host_bytes_take(size_t nbytes);
+// Returns memory from host_bytes_take or c10::alloc_cpu: kept for reuse while the cache holds
+// under its bound (16 MiB) and the block is at most 1 MiB, otherwise freed.
+void host_bytes_give(void* data);
+// Frees every cached block (torch.cuda.empty_cache: the cached memory goes back).
+void host_bytes_release();
 
 }  // namespace mirage

@@ -8,6 +8,7 @@
 #include "memory_history.h"
 #include "race_checker.h"
 #include "host_views.h"
+#include "cpu_allocator.h"
 #include "session_table.h"
 #include "shared_device_memory.h"
 #include "device_guard.h"
@@ -285,6 +286,7 @@ struct DeviceMemoryAllocator final : c10::DeviceAllocator {
   // torch.cuda.empty_cache: every device's cached segments go back (the MemPool id is not modelled).
   void emptyCache(c10::MempoolId_t) override {
     for (DeviceIndex dev = 0; dev < config().num_devices; ++dev) release_cached_segments(dev);
+    host_bytes_release();
   }
   void recordStream(const c10::DataPtr&, c10::Stream) override {}
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(DeviceIndex dev) override {

@@ -3,6 +3,7 @@
 #include "shared_device_memory.h"
 
 #include "config.h"
+#include "cpu_allocator.h"
 
 #include <c10/core/impl/alloc_cpu.h>
 
@@ -192,13 +193,13 @@ void* allocate_device_bytes(size_t bytes) {
       if (void* p = arena->allocate(bytes)) return p;
     }
   }
-  return c10::alloc_cpu(bytes);
+  return host_bytes_take(bytes);
 }
 
 void free_device_bytes(void* p) {
   Arena* arena = Arena::instance();
   if (!arena || !arena->owns(p)) {  // a pointer comparison: small blocks pay nothing more
-    c10::free_cpu(p);
+    host_bytes_give(p);
   } else if (arena->owned_here()) {
     arena->free(p);
   }  // else: the parent's memory, which a forked child leaves alone
