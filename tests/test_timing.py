@@ -177,16 +177,27 @@ def test_a_collective_starts_when_the_last_rank_reaches_it():
     assert by_rank[0]["total_ms"] > busy
 
 
-def test_a_gemm_beside_a_collective_runs_in_more_waves():
+def test_work_beside_a_collective_gets_the_compute_units_and_memory_bandwidth_it_leaves():
     """2048 x 2048 on H100: 128 tiles fill one wave of 132 units alone, two waves of the 108 an
-    all_reduce's kernel leaves (nccl_compute_units 24), so it takes twice as long beside it."""
+    all_reduce's kernel leaves (nccl_compute_units 24), so it takes twice as long beside it. A
+    memory-bound multiply beside it gets the HBM bandwidth the collective's traffic leaves: the
+    all_reduce's links carry 2 (n - 1) / n of its 64 MiB each way in the time it takes, which its
+    sends read from HBM and its receives write there."""
     run = mirage("run", "--quiet", "--timing", "--predict-only", "--profile", "h100", "--gpus-per-node", "2",
                  "--nproc-per-node", "2", "--", sys.executable, str(WORKLOAD), "overlap")
     assert run.returncode == 0, run.stderr
+    m = model("h100")
+    hbm_bytes_per_ns = m["memory_bandwidth_gbs"] * m["memory_efficiency"]
+    mul_bytes, fixed_ns = 2 * 4 * 2**22, m["kernel_overhead_us"] * 1e3
     for line in (json.loads(l.split("] ", 1)[1]) for l in run.stdout.splitlines() if "{" in l):
         assert line["alone_ms"] == pytest.approx(expected_gemm_ms("h100", 2048), rel=1e-3)
         assert line["beside_ms"] == pytest.approx(expected_gemm_ms("h100", 2048, beside_collective=True), rel=1e-3)
         assert line["beside_ms"] > 1.9 * line["alone_ms"]
+        assert line["alone_mul_ms"] == pytest.approx((mul_bytes / hbm_bytes_per_ns + fixed_ns) / 1e6, rel=1e-3)
+        share = 2 * (2 * 4 * 2**24 * (2 - 1) / 2) / (line["all_reduce_ms"] * 1e6) / hbm_bytes_per_ns
+        assert 0.1 < share < 0.5
+        assert line["beside_mul_ms"] == pytest.approx((mul_bytes / hbm_bytes_per_ns / (1 - share) + fixed_ns) / 1e6,
+                                                      rel=1e-3)
 
 
 def test_a_receive_ends_after_the_senders_work():

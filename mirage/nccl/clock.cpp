@@ -13,14 +13,17 @@
 
 namespace mirage::nccl {
 
+// A send or a receive, as the shim's cost model numbers it (after Kind's collectives).
+constexpr int kP2pKind = 9;
+
 const ShimClock& ShimClock::get() {
   static const ShimClock clock = [] {
     ShimClock c;
     c.enabled = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "mirage_timing_enabled"));
     c.new_stream = reinterpret_cast<int64_t (*)()>(dlsym(RTLD_DEFAULT, "mirage_clock_new_stream"));
     c.ready = reinterpret_cast<int64_t (*)(int, int64_t)>(dlsym(RTLD_DEFAULT, "mirage_clock_ready"));
-    c.collective = reinterpret_cast<int64_t (*)(int, int64_t, int64_t, int64_t, const char*, int64_t, int)>(
-        dlsym(RTLD_DEFAULT, "mirage_clock_collective"));
+    c.collective = reinterpret_cast<int64_t (*)(int, int64_t, int64_t, int64_t, const char*, int64_t, int, int, int)>(
+        dlsym(RTLD_DEFAULT, "mirage_clock_place_collective"));
     c.current_stream_waits = reinterpret_cast<void (*)(int, int64_t)>(
         dlsym(RTLD_DEFAULT, "mirage_clock_current_stream_waits"));
     c.cost_ns = reinterpret_cast<int64_t (*)(int, int64_t, int, int, double)>(
@@ -86,7 +89,7 @@ void ProcessGroupNCCL::clock_collective_end(EmulatedWork& work, const Record& r,
   const auto [kind, bus_bytes] = bus_shape(r);
   const int64_t cost = shim_clock().cost_ns(kind, bus_bytes, size_, nodes_in_group_, nic_slowdown_);
   const int64_t end = shim_clock().collective(barrier_device_, comm_stream(), comm_->agreed_ready_ns(), cost,
-                                              profiling, bus_bytes, dtype);
+                                              profiling, bus_bytes, dtype, kind, size_);
   work.set_predicted_end(barrier_device_, comm_stream(), end);
 }
 
@@ -100,13 +103,13 @@ void ProcessGroupNCCL::clock_transfer(Pending& p, const at::Tensor& t, int peer,
     const int64_t pair[2] = {node_of_rank_[rank_], node_of_rank_[peer]};
     slowdown = shim_clock().link_slowdown(pair, 2);
   }
-  p.cost_ns = shim_clock().cost_ns(9, nbytes(t), 2, across ? 2 : 1, slowdown);
+  p.cost_ns = shim_clock().cost_ns(kP2pKind, nbytes(t), 2, across ? 2 : 1, slowdown);
   p.ready_ns = shim_clock().ready(p.clock_device, p2p_stream(peer));
   if (sending) {
     p.transfer.clock = p.ready_ns;
     p.work->set_predicted_end(p.clock_device, p2p_stream(peer),
                               shim_clock().collective(p.clock_device, p2p_stream(peer), p.ready_ns, p.cost_ns,
-                                                      "nccl:send", nbytes(t), -1));
+                                                      "nccl:send", nbytes(t), -1, kP2pKind, 2));
   }
 }
 
@@ -116,7 +119,7 @@ void ProcessGroupNCCL::clock_receive_end(Pending& done, int64_t sender_clock) {
   const int64_t stream = p2p_stream(done.record.peer);
   done.work->set_predicted_end(done.clock_device, stream,
                                shim_clock().collective(done.clock_device, stream, start, done.cost_ns, "nccl:recv",
-                                                       static_cast<int64_t>(done.own_bytes), -1));
+                                                       static_cast<int64_t>(done.own_bytes), -1, kP2pKind, 2));
 }
 
 }  // namespace mirage::nccl

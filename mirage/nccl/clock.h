@@ -14,7 +14,7 @@ struct ShimClock {
   int (*enabled)() = nullptr;
   int64_t (*new_stream)() = nullptr;
   int64_t (*ready)(int, int64_t) = nullptr;
-  int64_t (*collective)(int, int64_t, int64_t, int64_t, const char*, int64_t, int) = nullptr;
+  int64_t (*collective)(int, int64_t, int64_t, int64_t, const char*, int64_t, int, int, int) = nullptr;
   void (*current_stream_waits)(int, int64_t) = nullptr;
   int64_t (*cost_ns)(int, int64_t, int, int, double) = nullptr;
   double (*link_slowdown)(const int64_t*, int) = nullptr;

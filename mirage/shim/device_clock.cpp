@@ -35,6 +35,16 @@ struct MemorySample {
   DeviceIndex device;
 };
 
+// A collective on the timeline, [start, end), and the share of the HBM bandwidth its traffic takes.
+struct Running {
+  int64_t start, end;
+  double hbm_share;
+};
+
+// The most of the HBM bandwidth collectives running together are taken to hold (the kernel
+// beside them keeps the rest: a guard against a share summed over several collectives).
+constexpr double kMaxHbmShare = 0.9;
+
 struct Timeline {
   std::mutex mu;
   int64_t host = 0;
@@ -46,8 +56,8 @@ struct Timeline {
   std::vector<Step> steps;
   std::vector<MemorySample> memory;
   std::array<int64_t, kMaxDevices> last_allocated{};
-  // Each device's collectives that may still run beside kernels issued from now: [start, end).
-  std::array<std::vector<std::pair<int64_t, int64_t>>, kMaxDevices> collectives;
+  // Each device's collectives that may still run beside kernels issued from now.
+  std::array<std::vector<Running>, kMaxDevices> collectives;
 };
 
 Timeline& timeline() {
@@ -126,43 +136,53 @@ void keep(Timeline& tl, const Interval& work, int64_t issued) {
   }
 }
 
-// When work issued at `start` ends: it advances at 1/cost_ns of itself a nanosecond, at
-// 1/shared_ns while one of `collectives` runs. Collectives that ended before `host` are dropped
-// (no later kernel can start before the host issues it).
-int64_t end_beside_collectives(std::vector<std::pair<int64_t, int64_t>>& collectives, int64_t host, int64_t start,
-                               int64_t cost_ns, int64_t shared_ns) {
-  std::erase_if(collectives, [host](const auto& c) { return c.second <= host; });
-  if (shared_ns <= cost_ns || collectives.empty()) return start + cost_ns;
-  std::sort(collectives.begin(), collectives.end());
+// When work issued at `start` ends: alone it advances at 1/cost_ns of itself a nanosecond, and
+// while collectives run beside it at the rate `beside` gives for the compute units and HBM
+// bandwidth they leave. Collectives that ended before `host` are dropped (no later kernel can
+// start before the host issues it).
+int64_t end_beside_collectives(std::vector<Running>& collectives, int64_t host, int64_t start, int64_t cost_ns,
+                               const Beside* beside) {
+  std::erase_if(collectives, [host](const Running& c) { return c.end <= host; });
+  if (beside == nullptr || collectives.empty()) return start + cost_ns;
   double left = 1.0;  // the work not yet done
   double t = static_cast<double>(start);
-  for (const auto& [from, to] : collectives) {
-    if (to <= t) continue;
-    if (from > t) {  // alone until this collective starts
-      const double alone = (static_cast<double>(from) - t) / static_cast<double>(cost_ns);
-      if (alone >= left) return std::llround(t + left * static_cast<double>(cost_ns));
-      left -= alone;
-      t = static_cast<double>(from);
+  while (true) {
+    // what runs beside it from t, and when that next changes
+    double share = 0, next = -1;
+    bool any = false;
+    for (const Running& c : collectives) {
+      const double from = static_cast<double>(c.start), to = static_cast<double>(c.end);
+      if (from <= t && t < to) {
+        any = true;
+        share += c.hbm_share;
+        if (next < 0 || to < next) next = to;
+      } else if (from > t && (next < 0 || from < next)) {
+        next = from;
+      }
     }
-    const double beside = (static_cast<double>(to) - t) / static_cast<double>(shared_ns);
-    if (beside >= left) return std::llround(t + left * static_cast<double>(shared_ns));
-    left -= beside;
-    t = static_cast<double>(to);
+    const double rate_ns = any ? static_cast<double>(std::max(cost_ns, beside->cost(std::min(share, kMaxHbmShare))))
+                               : static_cast<double>(cost_ns);
+    if (next < 0 || (next - t) / rate_ns >= left) return std::llround(t + left * rate_ns);
+    left -= (next - t) / rate_ns;
+    t = next;
   }
-  return std::llround(t + left * static_cast<double>(cost_ns));
 }
 
 }  // namespace
 
+int64_t Beside::cost(double hbm_share) const {
+  return std::llround(std::max(compute_ns, memory_ns / (1.0 - hbm_share)) + fixed_ns);
+}
+
 int64_t run_on_stream(DeviceIndex dev, c10::StreamId stream, int64_t cost_ns, WorkKind kind, const char* name,
-                      int64_t bytes, double flops, int64_t shared_ns, c10::ScalarType dtype) {
+                      int64_t bytes, double flops, const Beside* beside, c10::ScalarType dtype) {
   Timeline& tl = timeline();
   std::lock_guard<std::mutex> g(tl.mu);
   int64_t& clock = stream_clock(tl, dev, stream);
   const int64_t start = std::max(clock, tl.host);
   // A straggler (--fault slow-gpu) runs its kernels slower; its copies ride the host link as before.
   const double slowdown = kind == WorkKind::kCompute || kind == WorkKind::kMemory ? cost_model().gpu_slowdown : 1.0;
-  const int64_t ns = end_beside_collectives(tl.collectives[dev], tl.host, start, cost_ns, shared_ns) - start;
+  const int64_t ns = end_beside_collectives(tl.collectives[dev], tl.host, start, cost_ns, beside) - start;
   clock = start + (slowdown == 1.0 ? ns : std::llround(static_cast<double>(ns) * slowdown));
   const int64_t issued = tl.host;
   if (!tl_replaying) tl.host += cost_model().launch_ns;
@@ -171,13 +191,13 @@ int64_t run_on_stream(DeviceIndex dev, c10::StreamId stream, int64_t cost_ns, Wo
 }
 
 int64_t run_at(DeviceIndex dev, c10::StreamId stream, int64_t start, int64_t cost_ns, WorkKind kind,
-               const char* name, int64_t bytes, double flops, c10::ScalarType dtype) {
+               const char* name, int64_t bytes, double flops, c10::ScalarType dtype, double hbm_share) {
   Timeline& tl = timeline();
   std::lock_guard<std::mutex> g(tl.mu);
   int64_t& clock = stream_clock(tl, dev, stream);
   const int64_t begin = std::max({clock, start, tl.host});
   clock = begin + cost_ns;
-  if (kind == WorkKind::kCollective) tl.collectives[dev].emplace_back(begin, clock);
+  if (kind == WorkKind::kCollective) tl.collectives[dev].push_back({begin, clock, hbm_share});
   const int64_t issued = tl.host;
   if (!tl_replaying) tl.host += cost_model().launch_ns;
   keep(tl, Interval{begin, clock, name, bytes, flops, stream, kind, dev, dtype}, issued);
@@ -242,11 +262,12 @@ int64_t mirage_clock_ready(int device, int64_t comm_stream) {
                    tl.host});
 }
 
-int64_t mirage_clock_collective(int device, int64_t comm_stream, int64_t start, int64_t cost_ns, const char* name,
-                                int64_t bytes, int dtype) {
+int64_t mirage_clock_place_collective(int device, int64_t comm_stream, int64_t start, int64_t cost_ns,
+                                      const char* name, int64_t bytes, int dtype, int kind, int ranks) {
   return mirage::run_at(static_cast<mirage::DeviceIndex>(device), comm_stream, start, cost_ns,
                         mirage::WorkKind::kCollective, name, bytes, 0,
-                        dtype < 0 ? c10::ScalarType::Undefined : static_cast<c10::ScalarType>(dtype));
+                        dtype < 0 ? c10::ScalarType::Undefined : static_cast<c10::ScalarType>(dtype),
+                        mirage::collective_hbm_share(kind, bytes, ranks, cost_ns));
 }
 
 void mirage_clock_current_stream_waits(int device, int64_t t) {

@@ -64,16 +64,31 @@ inline bool is_memcpy(const char* name) {
   return name && (std::strncmp(name, "Memcpy", 6) == 0 || std::strcmp(name, "aten::_local_scalar_dense") == 0);
 }
 
+// A kernel's cost while a collective runs beside it on the same GPU, which takes two things from
+// it: the compute units NCCL's kernel holds (its FLOPs run in more waves on the rest) and the HBM
+// bandwidth the collective's own traffic uses (every byte NCCL sends is read from HBM and every
+// byte it receives written there, so a collective moving L bytes a nanosecond each way over its
+// links takes 2L of the memory's bytes a nanosecond).
+struct Beside {
+  double compute_ns = 0;  // its FLOPs on the compute units NCCL leaves
+  double memory_ns = 0;   // its bytes at the full achievable HBM bandwidth
+  double fixed_ns = 0;    // launch latency, ramp, tail
+  // Its cost while collectives take `hbm_share` (< 1) of the HBM bandwidth.
+  int64_t cost(double hbm_share) const;
+};
+
 // Puts work of `cost_ns` on `stream` of `dev`, issued by the host now (the host pays the launch,
-// except inside a CUDA graph's replay): returns when it ends. While a collective already placed
-// on `dev` runs beside it, the work proceeds at the rate of `shared_ns` (its cost on the compute
-// units NCCL's kernel leaves; -1: the same as cost_ns).
+// except inside a CUDA graph's replay): returns when it ends. While collectives already placed
+// on `dev` run beside it, the work proceeds at the rate `beside` gives (null: unaffected, as a
+// copy over the host link is).
 int64_t run_on_stream(DeviceIndex dev, c10::StreamId stream, int64_t cost_ns, WorkKind kind, const char* name,
-                      int64_t bytes, double flops, int64_t shared_ns = -1,
+                      int64_t bytes, double flops, const Beside* beside = nullptr,
                       c10::ScalarType dtype = c10::ScalarType::Undefined);
-// Work whose start was agreed elsewhere (a collective, from every rank's ready time).
+// Work whose start was agreed elsewhere (a collective, from every rank's ready time). A
+// collective takes `hbm_share` of the HBM bandwidth while it runs (its links' traffic, Beside).
 int64_t run_at(DeviceIndex dev, c10::StreamId stream, int64_t start, int64_t cost_ns, WorkKind kind,
-               const char* name, int64_t bytes, double flops, c10::ScalarType dtype = c10::ScalarType::Undefined);
+               const char* name, int64_t bytes, double flops, c10::ScalarType dtype = c10::ScalarType::Undefined,
+               double hbm_share = 0);
 int64_t stream_time(DeviceIndex dev, c10::StreamId stream);
 void stream_waits_for(DeviceIndex dev, c10::StreamId stream, int64_t t);
 // Every stream of `dev` done.
@@ -113,9 +128,10 @@ int64_t mirage_clock_new_stream();
 // queued on it, after the caller's current stream (ProcessGroupNCCL's syncStream), after launch.
 int64_t mirage_clock_ready(int device, int64_t comm_stream);
 // The collective, from `start` (every rank's latest ready time) for `cost_ns`: returns its end.
-// `dtype`: its data's c10::ScalarType (-1: none).
-int64_t mirage_clock_collective(int device, int64_t comm_stream, int64_t start, int64_t cost_ns, const char* name,
-                                int64_t bytes, int dtype);
+// `dtype`: its data's c10::ScalarType (-1: none); `kind` (mirage::nccl::Kind) and `ranks` size
+// the traffic its links carry, whose HBM bandwidth kernels beside it do not get.
+int64_t mirage_clock_place_collective(int device, int64_t comm_stream, int64_t start, int64_t cost_ns,
+                                      const char* name, int64_t bytes, int dtype, int kind, int ranks);
 // Work::wait: the caller's current stream waits for `t`.
 void mirage_clock_current_stream_waits(int device, int64_t t);
 // The predicted duration of a collective (op_cost.cpp): kind as mirage::nccl::Kind, `bytes` the

@@ -62,9 +62,12 @@ static void clock_copy(const at::Tensor& self, const at::Tensor& src, bool non_b
   sides.add(self);
   sides.add(src);
   const bool general = !crosses_host && sides.general;
-  const int64_t end = run_on_stream(dev, tl_stream[dev], copy_cost_ns(bytes, crosses_host, general),
+  // a copy within the device reads and writes HBM, which a collective beside it shares
+  const KernelCost within = device_copy_cost(bytes, general);
+  const int64_t end = run_on_stream(dev, tl_stream[dev], crosses_host ? copy_cost_ns(bytes, true) : within.ns,
                                     crosses_host ? WorkKind::kCopy : WorkKind::kMemory, crosses_host ?
-                                    (self.is_cuda() ? "Memcpy HtoD" : "Memcpy DtoH") : "Memcpy DtoD", bytes, 0);
+                                    (self.is_cuda() ? "Memcpy HtoD" : "Memcpy DtoH") : "Memcpy DtoD", bytes, 0,
+                                    crosses_host ? nullptr : &within.beside);
   const bool async = non_blocking && host_side.is_pinned();
   if (crosses_host && !async) host_waits_for(end);
 }

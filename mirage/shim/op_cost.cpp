@@ -190,12 +190,16 @@ KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, int64_
       static_cast<double>(bytes) / (general && flops <= 0 ? m.general_bytes_per_ns : m.memory_bytes_per_ns);
   const double ns = std::max(compute, memory) + m.kernel_fixed_ns;
   return {static_cast<int64_t>(std::llround(ns)), flops > 0 && compute >= memory ? WorkKind::kCompute : WorkKind::kMemory,
-          static_cast<int64_t>(std::llround(std::max(shared, memory) + m.kernel_fixed_ns))};
+          Beside{shared, memory, m.kernel_fixed_ns}};
+}
+
+KernelCost device_copy_cost(int64_t bytes, bool general) {
+  return kernel_cost(0, 2 * bytes, at::kByte, 0, ComputeKind::kGemm, general);  // read and write
 }
 
 int64_t copy_cost_ns(int64_t bytes, bool crosses_host, bool general) {
   const CostModel& m = cost_model();
-  if (!crosses_host) return kernel_cost(0, 2 * bytes, at::kByte, 0, ComputeKind::kGemm, general).ns;  // read and write
+  if (!crosses_host) return device_copy_cost(bytes, general).ns;
   return static_cast<int64_t>(std::llround(static_cast<double>(bytes) / m.host_link_bytes_per_ns + m.kernel_fixed_ns));
 }
 
@@ -280,7 +284,7 @@ void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs
   const double flops = causal ? counted / 2 : counted;  // the model's FLOPs (MFU); the time follows the work done
   const double work = causal ? counted * causal_work(seq_q, seq_k) : counted;
   const KernelCost cost = kernel_cost(work, bytes, first.scalar_type(), 0, ComputeKind::kAttention);
-  run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, handle.schema().name().c_str(), bytes, flops, cost.shared_ns,
+  run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, handle.schema().name().c_str(), bytes, flops, &cost.beside,
                 first.scalar_type());
 }
 
@@ -299,6 +303,12 @@ static double bus_factor(int kind, double n) {
     case 8: return 0;                // barrier: latency only
     default: return 1;               // broadcast, reduce, send/recv
   }
+}
+
+double mirage::collective_hbm_share(int kind, int64_t bytes, int ranks, int64_t cost_ns) {
+  if (ranks <= 1 || cost_ns <= 0) return 0;
+  const double link_bytes = static_cast<double>(bytes) * bus_factor(kind, ranks);
+  return 2 * link_bytes / static_cast<double>(cost_ns) / cost_model().memory_bytes_per_ns;
 }
 
 extern "C" double mirage_link_slowdown(const int64_t* nodes, int count) {
@@ -352,7 +362,7 @@ MIRAGE_LIBRARY(m) {
         [](int64_t rows, int64_t cols, int64_t inner, c10::ScalarType dtype) -> int64_t {
           const double flops = 2.0 * rows * cols * inner;
           const int64_t bytes = (rows * inner + inner * cols + rows * cols) * static_cast<int64_t>(c10::elementSize(dtype));
-          return mirage::kernel_cost(flops, bytes, dtype, mirage::output_tiles(1, rows, cols)).shared_ns;
+          return mirage::kernel_cost(flops, bytes, dtype, mirage::output_tiles(1, rows, cols)).beside.cost(0);
         });
   // Fused attention's forward over batch x heads x seq x head_dim (4 x b x h x s^2 x d FLOPs, of
   // which a causal kernel does causal_work).
@@ -378,8 +388,9 @@ MIRAGE_LIBRARY(m) {
           const auto dev = static_cast<mirage::DeviceIndex>(device);
           mirage::KernelCost cost = mirage::kernel_cost(flops, bytes, dtype, 0);
           const auto fixed = static_cast<int64_t>(std::max<int64_t>(kernels - 1, 0) * mirage::cost_model().kernel_fixed_ns);
+          cost.beside.fixed_ns += static_cast<double>(fixed);
           mirage::run_on_stream(dev, mirage::tl_stream[dev], cost.ns + fixed, cost.kind, mirage::kCompiledGraph, bytes, flops,
-                                cost.shared_ns + fixed);
+                                &cost.beside);
         });
   // A GPU kernel that mirage runs as many ops (FlexAttention's block-sparse implementation,
   // mirage/runtime/flex_attention.py): between begin and end its ops are not timed alone, and end
@@ -392,7 +403,7 @@ MIRAGE_LIBRARY(m) {
           const auto dev = static_cast<mirage::DeviceIndex>(device);
           const mirage::KernelCost cost = mirage::kernel_cost(flops, bytes, dtype, 0, mirage::ComputeKind::kAttention);
           mirage::run_on_stream(dev, mirage::tl_stream[dev], cost.ns, cost.kind, names[kernel], bytes, flops,
-                                cost.shared_ns, dtype);
+                                &cost.beside, dtype);
         });
   m.def("clock_set_flop_ops(str[] names) -> ()", [](std::vector<std::string> names) {
     mirage::FlopOps& f = mirage::flop_ops();

@@ -66,7 +66,7 @@ const CostModel& cost_model();
 struct KernelCost {
   int64_t ns;
   WorkKind kind;
-  int64_t shared_ns;  // the same kernel while a collective's kernel holds nccl_compute_units
+  Beside beside;  // the same kernel while a collective runs beside it
 };
 // What a kernel's FLOPs run at: a GEMM's efficiency, or fused attention's (lower: its softmax
 // and rescaling sit between the two GEMMs on the critical path).
@@ -97,9 +97,14 @@ struct KernelTraffic {
 // takes PyTorch's general path (KernelTraffic); only a kernel without FLOPs is slowed by it.
 KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, int64_t tiles,
                        ComputeKind compute = ComputeKind::kGemm, bool general = false);
-// `general`: a device copy PyTorch cannot do as one memcpy or vectorized kernel (a strided side,
-// a broadcast source).
+// A copy within device memory (read and write: a memory-bound kernel). `general`: one PyTorch
+// cannot do as one memcpy or vectorized kernel (a strided side, a broadcast source).
+KernelCost device_copy_cost(int64_t bytes, bool general = false);
+// The same, or over the host link when `crosses_host`.
 int64_t copy_cost_ns(int64_t bytes, bool crosses_host, bool general = false);
+// The share of the HBM bandwidth a collective of `kind` (mirage::nccl::Kind) over `bytes` among
+// `ranks` takes while it runs for `cost_ns` (Beside): twice what its links carry each way.
+double collective_hbm_share(int kind, int64_t bytes, int ranks, int64_t cost_ns);
 
 // torch.utils.flop_counter's count for one call of `op` (its registry, through the Python
 // operator mirage::flop_count the runtime implements); cached per operator and argument shapes.

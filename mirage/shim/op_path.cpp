@@ -143,7 +143,7 @@ static void clock_kernel(const c10::OperatorHandle& op, const OpTraits& traits, 
   }
   const KernelCost cost = kernel_cost(flops, traffic.bytes, dtype, tiles, ComputeKind::kGemm, traffic.general);
   const int64_t end = run_on_stream(device, tl_stream[device], cost.ns, cost.kind, op.schema().name().c_str(),
-                                    traffic.bytes, flops, cost.shared_ns, dtype);
+                                    traffic.bytes, flops, &cost.beside, dtype);
   if (traits.synchronizes) host_waits_for(end);
 }
 

@@ -143,21 +143,29 @@ def straggler() -> None:
 
 
 def overlap() -> None:
-    """Two ranks; a GEMM issued while an async all_reduce runs on the communicator's stream, then
-    the same GEMM alone (after the wait), each timed with events."""
+    """Two ranks; a GEMM and then a memory-bound in-place multiply issued while an async all_reduce
+    runs on the communicator's stream, then the same two alone (after the wait), each timed with
+    events; first the all_reduce alone, timed on the caller's stream."""
     dist, rank, _, _ = two_ranks()
     n = int(os.environ.get("N", "2048"))
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     big = torch.ones(2**24, device="cuda")
-    times = {}
-    work = dist.all_reduce(big, async_op=True)
-    for name in ("beside_ms", "alone_ms"):
+    streamed = torch.ones(2**22, device="cuda")
+
+    def timed(work) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        a @ a
+        work()
         end.record()
         end.synchronize()
-        times[name] = start.elapsed_time(end)
+        return start.elapsed_time(end)
+
+    dist.all_reduce(big)  # joins the ranks' clocks
+    times = {"all_reduce_ms": timed(lambda: dist.all_reduce(big))}
+    work = dist.all_reduce(big, async_op=True)
+    for when in ("beside", "alone"):
+        times[f"{when}_ms"] = timed(lambda: a @ a)
+        times[f"{when}_mul_ms"] = timed(lambda: streamed.mul_(2))
         work.wait()
         torch.cuda.synchronize()
     print(json.dumps({"rank": rank, **times}))
