@@ -6,12 +6,12 @@
 // its CPU allocations are made without that report; all others are torch's own.
 //
 // Those allocations' bytes, and device blocks' under 1 MiB, come from a cache of freed host
-// bytes (host_bytes_take / host_bytes_give) rather than straight from malloc. A device step
-// allocates on one thread and frees on another (autograd runs a GPU's backward on a thread of
-// its own, where a CPU backward runs on the caller's), and glibc files a block freed on another
-// thread in that thread's arena: the next allocation of the same size misses its own cache,
-// takes the arena's lock and gets colder memory. The cache is shared by the threads, so the
-// block freed last is the next one handed out, as the GPU caching allocator reuses device memory.
+// bytes (host_bytes_take / host_bytes_give) rather than straight from malloc. glibc serves a
+// 64-byte-aligned block over 1 KiB (past its per-thread cache; a 32 x 64 float result is 8 KiB)
+// from its arena: memalign's slow path, the arena's lock, its bins and their consolidation on
+// every free, and memory that is not the block just freed. A small-op step allocates and frees
+// thousands of them; the cache hands back the block of that size freed last, on any thread, as
+// the GPU caching allocator reuses device memory.
 #pragma once
 
 #include <cstddef>
