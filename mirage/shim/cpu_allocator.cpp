@@ -107,8 +107,6 @@ HostBytesCache& host_bytes() {
   return *cache;
 }
 
-void give_back(void* data) { host_bytes().give(data); }
-
 class CpuAllocator final : public c10::Allocator {
  public:
   explicit CpuAllocator(c10::Allocator* torchs) : torchs_(torchs) {}
@@ -116,7 +114,7 @@ class CpuAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
     if (tl_device_kernels_running == 0 || nbytes == 0) return torchs_->allocate(nbytes);
     void* data = host_bytes().take(nbytes);  // as torch's allocator allocates, without its report
-    return {data, data, &give_back, c10::Device(c10::DeviceType::CPU)};
+    return {data, data, &host_bytes_give, c10::Device(c10::DeviceType::CPU)};
   }
   // raw_allocate's blocks are freed with this: torch's deleter frees an unreported block as well
   c10::DeleterFnPtr raw_deleter() const override { return torchs_->raw_deleter(); }
