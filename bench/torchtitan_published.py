@@ -67,6 +67,7 @@ class Case:
     stand_ins_stride: int = 0  # --stand-ins-stride (0: data parallelism outermost)
     stand_ins_in_node: int = 1  # --stand-ins-in-node: 1 of every this many ranks of a running node runs
     like_for_like: bool = True  # False: the published run used what this one does not (named in `row`)
+    compiled: bool = False  # torch.compile of each TransformerBlock, as torchtitan of 2024-12 compiled (not the loss)
     entry: tuple[str, ...] = ("-m", "torchtitan.train")  # how torchrun starts the trainer
 
     def model_parallel(self) -> int:
@@ -84,6 +85,10 @@ CASES = {
     "8b-fsdp-16": Case("Table 1's job on 2 nodes (no published row: host-memory scaling)", 2, "8B", 2, 8192,
                        SELECTIVE_OP, 0, 0.0),
     "8b-fsdp-128": Case("Table 3 (8B, 128 GPUs): FSDP", 16, "8B", 2, 8192, SELECTIVE_OP, 5605, 67.0, stand_ins=16),
+    "8b-fsdp-8-compile": Case("Table 1 (8B, 8 GPUs): FSDP + torch.compile", 1, "8B", 2, 8192, SELECTIVE_OP, 6667, 77.0,
+                              compiled=True),
+    "8b-fsdp-128-compile": Case("Table 3 (8B, 128 GPUs): FSDP + torch.compile", 16, "8B", 2, 8192, SELECTIVE_OP, 6514,
+                                62.0, stand_ins=16, compiled=True),
     "70b-fsdp32-tp8-256": Case("Table 4 (70B, 256 GPUs): FSDP 32 x TP 8, full AC; published with torch.compile and "
                                "Float8, run here without both", 32, "70B", 16, 8192,
                                ["--activation_checkpoint.mode", "full"], 829, 71.9,
@@ -148,6 +153,7 @@ def torchrun(case: Case, assets: Path, dump: Path, steps: int, traces: Path | No
              *torchtitan_setup.data_flags(assets), "--training.local_batch_size", str(case.local_batch),
              "--training.seq_len", str(case.seq_len), "--training.steps", str(steps),
              "--parallelism.data_parallel_shard_degree", "-1", *case.parallelism, *case.activation_checkpoint,
+             *(["--compile.enable", "--compile.components", "model"] if case.compiled else []),
              "--metrics.log_freq", "1", "--metrics.disable_color_printing", "--job.dump_folder", str(dump),
              *profiling]
     if case.nodes == 1:

@@ -255,6 +255,38 @@ def test_predict_only_predicts_what_the_full_run_predicts(tmp_path):
     assert predicted["split_ms"] == full["split_ms"] and predicted["step_ms"] == full["step_ms"]
 
 
+def test_predict_only_runs_no_kernel_of_a_compiled_graph_yet_times_and_allocates_it_as_the_full_run():
+    """A compiled graph's generated code runs its host kernels in a full run (they write its
+    output's 512 MiB, which the process then holds); under --predict-only it allocates the same
+    buffers and is placed on the timeline the same, but no kernel runs, so no page is written."""
+    results = {}
+    for mode in ("full", "predict-only"):
+        extra = ["--predict-only"] if mode == "predict-only" else []
+        run = mirage("run", "--quiet", "--timing", *extra, "--lazy-device-memory", "--profile", "h100",
+                     "--gpus-per-node", "1", "--", sys.executable, str(WORKLOAD), "compiled")
+        assert run.returncode == 0, run.stderr
+        results[mode] = last_json(run.stdout)
+    full, predicted = results["full"], results["predict-only"]
+    assert predicted["compiled_ms"] == full["compiled_ms"] > 0
+    assert predicted["peak"] == full["peak"] >= 2 * full["output_bytes"]  # the input and the output
+    assert full["resident_added"] >= 0.9 * full["output_bytes"]
+    assert predicted["resident_added"] < 0.1 * predicted["output_bytes"]
+
+
+def test_a_compiled_graphs_matmul_and_fused_kernels_run_one_after_another():
+    """Inductor makes (x @ w).sin() a matmul kernel and an elementwise kernel, as eager runs it, so
+    both take the same time (but the host's launch of the first: 5 us of 200); (x @ w).sin().cos()
+    is still those two kernels compiled (one fused elementwise kernel reads the matmul's result and
+    writes the output), where eager runs three."""
+    run = mirage("run", "--quiet", "--timing", "--predict-only", "--profile", "h100", "--gpus-per-node", "1", "--",
+                 sys.executable, str(WORKLOAD), "compiled_kernels")
+    assert run.returncode == 0, run.stderr
+    t = last_json(run.stdout)
+    assert t["compiled_mm_sin_ms"] == pytest.approx(t["eager_mm_sin_ms"], rel=0.05)
+    assert t["compiled_mm_sin_cos_ms"] == pytest.approx(t["compiled_mm_sin_ms"], rel=1e-3)
+    assert t["eager_mm_sin_cos_ms"] > t["compiled_mm_sin_cos_ms"] * 1.05
+
+
 def test_predict_only_collectives_move_no_payload_and_take_the_full_runs_time():
     """--predict-only: a collective's ranks meet and agree on the clock, but its floating-point
     payload (data no kernel computed) does not move (README: an output keeps what it held, which

@@ -259,12 +259,19 @@ class _OutputGeometry:
             return None
 
 
-def _graph_cost(gm: Any, torch: ModuleType) -> tuple[float, int, int, Any]:
-    """Clocked mode's estimate of a compiled graph, from the graph inductor is handed: its fused
-    kernels read the graph's inputs and write its outputs (what they keep in registers costs no
-    memory traffic); its matmul-family nodes (flop_counter's formulas) are kernels of their own,
-    reading their operands. Returns (FLOPs, bytes, kernels, the matmuls' dtype)."""
-    from torch.utils._pytree import tree_map
+def _graph_kernels(gm: Any, torch: ModuleType) -> list[tuple[float, int, Any]]:
+    """Clocked mode's estimate of a compiled graph: the kernels inductor makes of it, which run one
+    after another on the stream. Each matmul-family node (flop_counter's formulas) is a kernel of
+    its own, reading its operands and writing its result. The pointwise and reduction nodes
+    between them fuse: each connected group of them is one kernel, reading what flows into the
+    group (a graph input, a matmul's result, a device operator's) and writing what leaves it (to a
+    matmul, a device operator or the graph's output); what stays inside stays in registers, and
+    views move nothing. Nodes on either side of a matmul cannot share a kernel: a node's stage is
+    the count of matmuls and device operators on the longest path to it, and a group is of one
+    stage. Device operators (mirage_host's twins: fused attention) and collectives
+    are timed where they run. Returns each kernel's (FLOPs, bytes, dtype), in the graph's order."""
+    import operator
+
     from torch.utils.flop_counter import flop_registry
 
     def size(value: Any) -> int:
@@ -276,24 +283,93 @@ def _graph_cost(gm: Any, torch: ModuleType) -> tuple[float, int, int, Any]:
     def val(node: Any) -> Any:
         return node.meta.get("val") if isinstance(node, torch.fx.Node) else node
 
-    flops, nbytes, kernels, dtype = 0.0, 0, 1, torch.float32
+    def tensor_args(node: Any) -> list[Any]:
+        flat = torch.utils._pytree.tree_leaves((node.args, node.kwargs))
+        return [a for a in flat if isinstance(a, torch.fx.Node) and isinstance(val(a), torch.Tensor)]
+
+    base: dict[Any, Any] = {}  # a node -> the node whose memory it is (a view's base)
+    kind: dict[Any, str] = {}  # a base -> "input", "matmul", "outside" or "fused"
+    group: dict[Any, Any] = {}  # a fused node -> its group's representative (union-find)
+    stage: dict[Any, int] = {}  # a base -> matmuls and device operators on the longest path to it
+
+    def find(node: Any) -> Any:
+        while group[node] is not node:
+            group[node] = group[group[node]]
+            node = group[node]
+        return node
+
+    kernels: list[tuple[Any, list]] = []  # (matmul node, or a fused group's first node, [FLOPs, bytes, dtype])
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            nbytes += size(node.meta.get("val"))
-        elif node.op == "output":
-            outputs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
-            nbytes += sum(size(val(a)) for a in outputs)
-        elif node.op == "call_function" and getattr(node.target, "overloadpacket", None) in flop_registry:
-            args, kwargs = tree_map(val, node.args), tree_map(val, node.kwargs)
+            base[node], kind[node], stage[node] = node, "input", 0
+            continue
+        if node.op != "call_function":
+            continue
+        target = node.target
+        sources = [base[a] for a in tensor_args(node) if a in base]
+        if isinstance(target, torch._ops.OpOverload) and sources and (
+                target.is_view or target.overloadpacket is torch.ops.aten._unsafe_view):  # a view not marked one
+            base[node] = sources[0]
+            continue
+        base[node] = node
+        stage[node] = max((stage[s] + (kind[s] in ("matmul", "outside")) for s in sources), default=0)
+        if target is operator.getitem:  # one result of a multi-result node: that node's kind
+            parent = node.args[0]
+            kind[node] = kind.get(base.get(parent), "outside")
+            stage[node] = stage.get(base.get(parent), stage[node])
+            if kind[node] == "fused":
+                group[node] = find(base[parent])
+            continue
+        packet = getattr(target, "overloadpacket", None)
+        if packet in flop_registry:
+            kind[node] = "matmul"
+            args, kwargs = torch.utils._pytree.tree_map(val, node.args), torch.utils._pytree.tree_map(val, node.kwargs)
             try:
-                flops += float(flop_registry[node.target.overloadpacket](*args, **kwargs, out_val=node.meta.get("val")))
+                flops = float(flop_registry[packet](*args, **kwargs, out_val=val(node)))
             except Exception:  # noqa: BLE001 - a formula that cannot read symbolic shapes: no FLOPs counted
-                continue
+                flops = 0.0
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            nbytes += sum(size(a) for a in tensors) + size(node.meta.get("val"))
-            kernels += 1
-            dtype = tensors[0].dtype if tensors else dtype
-    return flops, nbytes, kernels, dtype
+            cost = [flops, sum(size(t) for t in tensors) + size(val(node)), tensors[0].dtype if tensors else torch.float32]
+            kernels.append((node, cost))
+        elif isinstance(target, torch._ops.OpOverload) and target.namespace in ("aten", "prims"):
+            kind[node] = "fused"
+            group[node] = node
+            for source in sources:
+                if kind.get(source) == "fused" and stage[source] == stage[node]:
+                    group[find(source)] = find(node)
+        else:
+            kind[node] = "outside"
+
+    reads: dict[Any, set] = {}  # a fused group -> the memory it reads from outside it
+    writes: dict[Any, set] = {}  # a fused group -> its results that leave it
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            consumer = None
+            sources = {base[a] for a in torch.utils._pytree.tree_leaves(node.args)
+                       if isinstance(a, torch.fx.Node) and a in base}
+        elif node.op == "call_function" and base.get(node) is node and node.target is not operator.getitem:
+            consumer = find(node) if kind[node] == "fused" else None
+            sources = {base[a] for a in tensor_args(node) if a in base}
+        else:
+            continue
+        for source in sources:
+            producer = find(source) if kind.get(source) == "fused" else None
+            if consumer is not None and producer is not consumer:
+                reads.setdefault(consumer, set()).add(source)
+            if producer is not None and producer is not consumer:
+                writes.setdefault(producer, set()).add(source)
+    fused_costs: dict[Any, list] = {}
+    for node in gm.graph.nodes:
+        if kind.get(node) == "fused" and base.get(node) is node:
+            root = find(node)
+            if root not in fused_costs:
+                fused_costs[root] = [0.0, 0, val(node).dtype if isinstance(val(node), torch.Tensor) else torch.float32]
+                kernels.append((node, fused_costs[root]))
+    for root, cost in fused_costs.items():
+        cost[1] = sum(size(val(t)) for t in reads.get(root, ())) + sum(size(val(t)) for t in writes.get(root, ()))
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    kernels.sort(key=lambda k: order[k[0]])
+    return [tuple(cost) for _, cost in kernels if cost[0] or cost[1]]
 
 
 class HostCompiledGraph:
@@ -311,9 +387,10 @@ class HostCompiledGraph:
         self.device_views = torch.ops.mirage.device_views
         self.capturing = torch.ops.mirage.graph_capturing
         self.busy_enter, self.busy_exit = torch.ops.mirage.busy_region_enter, torch.ops.mirage.busy_region_exit
+        self.clock_kernel = torch.ops.mirage.clock_compiled_graph
         self.device = device  # whose memory its buffers are, whose busy time its kernels are
         self.tensor_type = torch.Tensor
-        self.cost: tuple | None = None  # clocked mode: (FLOPs, bytes, kernels, dtype), see _graph_cost
+        self.kernels: list[tuple[float, int, Any]] = []  # clocked mode: its kernels' (FLOPs, bytes, dtype), see _graph_kernels
 
     def _capture(self, host_args: list) -> list:
         """Called during a CUDA graph capture: the outputs are allocated (their contents undefined
@@ -356,8 +433,8 @@ class HostCompiledGraph:
         finally:
             _running.device = outer
             self.busy_exit()
-        if self.cost is not None:
-            self.torch.ops.mirage.clock_compiled_graph(self.device, *self.cost)
+        for flops, nbytes, dtype in self.kernels:
+            self.clock_kernel(self.device, flops, nbytes, 1, dtype)
         moved = [i for i, o in enumerate(outputs) if isinstance(o, self.tensor_type) and self.output_devices[i] >= 0]
         views = self.device_views([outputs[i] for i in moved], [self.output_devices[i] for i in moved])
         for i, view in zip(moved, views):
@@ -391,6 +468,66 @@ def _buffers_on_device(compiled: Any, torch: ModuleType) -> None:
 
     empty_strided._mirage = True
     module_globals["empty_strided_cpu"] = empty_strided
+
+
+class _ExternKernelsNotRun:
+    """--predict-only: inductor's `extern_kernels` namespace as a moved graph's generated code sees
+    it. While the graph runs for a device, a call that writes into an `out=` buffer (every matmul
+    inductor emits: mm, addmm, bmm, baddbmm) returns that buffer unwritten; any other call, and
+    every call of a host graph, is the real one."""
+
+    def __init__(self, namespace: Any):
+        self._namespace = namespace
+
+    def __getattr__(self, name: str) -> Any:
+        kernel = getattr(self._namespace, name)
+        if not callable(kernel):
+            return kernel
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if getattr(_running, "device", None) is not None and "out" in kwargs:
+                return kwargs["out"]
+            return kernel(*args, **kwargs)
+
+        return call
+
+
+# --predict-only: integer and bool data up to this size steers the program, so kernels over only
+# such data run (the op path's rule: mirage/shim/op_path.cpp, kSteeringBytes).
+_STEERING_BYTES = 16 << 20
+
+
+def _kernels_not_run_when_predicting(compiled: Any, torch: ModuleType) -> None:
+    """--predict-only runs no kernel (the op path places it on the timeline instead); a moved
+    graph's generated code would still run its fused C++ kernels and extern matmuls on the host,
+    over every activation of the step (an 8B model's on eight ranks is far more than a host
+    holds). Its wrapper still runs, so its buffers are allocated and freed in its own order (the
+    peak memory is the graph's), but while it runs for a device its kernels do nothing, except
+    one whose tensors all hold integers or bools in a small storage, which runs as the op path
+    runs such a kernel; the graph's time is clock_compiled_graph's estimate either way."""
+    module_globals = getattr(getattr(compiled, "current_callable", None), "__globals__", None)
+    if module_globals is None or module_globals.get("_mirage_kernels_not_run"):
+        return
+    tensor_type = torch.Tensor
+
+    def steering(args: Sequence[Any]) -> bool:
+        tensors = [a for a in args if isinstance(a, tensor_type)]
+        return bool(tensors) and all(not (t.is_floating_point() or t.is_complex())
+                                     and t.untyped_storage().nbytes() <= _STEERING_BYTES for t in tensors)
+
+    def not_run(kernel: Callable) -> Callable:
+        def call(*args: Any) -> None:
+            if getattr(_running, "device", None) is None or steering(args):
+                kernel(*args)
+
+        return call
+
+    for name, value in list(module_globals.items()):
+        if name.startswith("cpp_") and callable(value):  # inductor's C++ kernels: cpp_<fused ops>_<n>
+            module_globals[name] = not_run(value)
+    if "extern_kernels" in module_globals:
+        module_globals["extern_kernels"] = _ExternKernelsNotRun(module_globals["extern_kernels"])
+    module_globals["_mirage_kernels_not_run"] = True
 
 
 def _cudagraph_info(gm: Any) -> dict[str, Any]:
@@ -446,13 +583,15 @@ def _host_compile(inner_compile: Callable, device_ops: _DeviceOps, captured_call
         host_inputs = [_host_fake(v, torch, fake_mode) for v in example_inputs]
         _move_graph_to_host(gm, device_ops, flex_ops, torch)
         FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*host_inputs)
-        cost = _graph_cost(gm, torch) if timing.enabled() else None
+        kernels = _graph_kernels(gm, torch) if timing.enabled() else []
         compiled = inner_compile(gm, host_inputs, **kwargs)
         _buffers_on_device(compiled, torch)
+        if timing.predict_only():
+            _kernels_not_run_when_predicting(compiled, torch)
         if device is None:  # no device inputs: the device of the first device output
             device = next((d for d in output_devices if d >= 0), 0)
         host_graph = HostCompiledGraph(compiled, device, output_devices, output_geometry, captured_calls, torch)
-        host_graph.cost = cost
+        host_graph.kernels = kernels
         if not cudagraphs:
             return host_graph
         return _with_cuda_graphs(host_graph, cudagraph_info, compiled, kwargs)

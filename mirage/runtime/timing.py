@@ -41,6 +41,12 @@ def enabled() -> bool:
     return bool(os.environ.get("MIRAGE_TIMING"))
 
 
+def predict_only() -> bool:
+    """--timing --predict-only: kernels are placed on the timeline, not run (the shim reads the
+    same variable, device_clock.h's predict_only)."""
+    return enabled() and bool(os.environ.get("MIRAGE_PREDICT_ONLY"))
+
+
 def _flop_count(op: str, args: list, results: list) -> float:
     """torch.utils.flop_counter's count for one call of aten operator `op` ("aten::mm", or
     "aten::convolution_backward.default"-style with an overload)."""

@@ -303,4 +303,47 @@ def graph() -> None:
     print(json.dumps(times))
 
 
-{"gemm": gemm, "attention": attention, "flex": flex, "inplace": inplace, "general": general, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
+def compiled() -> None:
+    """A compiled elementwise graph over a 512 MiB tensor (compiled for dynamic shapes on a small
+    one first): its predicted time, the peak memory, and how much of the process's resident memory
+    the call added (the output's pages, where its host kernel ran and wrote them)."""
+    import resource
+
+    page = resource.getpagesize()
+    f = torch.compile(lambda x: torch.sin(x) * 2, dynamic=True)
+    f(torch.empty(1024, device="cuda"))
+    x = torch.empty(2**27, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = int(open("/proc/self/statm").read().split()[1]) * page
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    y = f(x)
+    end.record()
+    torch.cuda.synchronize()
+    added = int(open("/proc/self/statm").read().split()[1]) * page - before
+    print(json.dumps({"compiled_ms": start.elapsed_time(end), "peak": torch.cuda.max_memory_allocated(),
+                      "resident_added": added, "output_bytes": y.numel() * y.element_size()}))
+
+
+def compiled_kernels() -> None:
+    """A matmul and the elementwise work after it, eager and compiled (inductor fuses the
+    elementwise ops into one kernel after the matmul), each timed with events."""
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    functions = {"mm_sin": lambda x, w: (x @ w).sin(), "mm_sin_cos": lambda x, w: (x @ w).sin().cos()}
+    times = {}
+    for name, f in functions.items():
+        for how, run in (("eager", f), ("compiled", torch.compile(f))):
+            run(x, w)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run(x, w)
+            end.record()
+            torch.cuda.synchronize()
+            times[f"{how}_{name}_ms"] = start.elapsed_time(end)
+    print(json.dumps(times))
+
+
+{"gemm": gemm, "compiled": compiled, "compiled_kernels": compiled_kernels, "attention": attention, "flex": flex, "inplace": inplace, "general": general, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
