@@ -1,16 +1,19 @@
-// Operators a CUDA build has a CUDA kernel for and a CPU build has no kernel for at all, which
+// Operators a CUDA build has a CUDA kernel for and a CPU build has no kernel of its own for, which
 // training code reaches: record_stream, the SyncBatchNorm family (torch/nn/modules/_functions.py
 // calls them on the device), and the fused LSTM / GRU cells that nn.LSTM / nn.GRU / nn.LSTMCell
-// run on a CUDA device without cuDNN (aten/src/ATen/native/cuda/RNN.cu). Each follows its CUDA definition (aten/src/ATen/native/cuda/Normalization.cu):
+// run on a CUDA device without cuDNN (aten/src/ATen/native/cuda/RNN.cu), and the fused RMSNorm
+// that F.rms_norm (nn.RMSNorm, torchtitan's and transformers' norms) calls on a CUDA device. Each follows its CUDA definition (aten/src/ATen/native/cuda/Normalization.cu):
 // statistics in the accumulate type (float for half and bfloat16 inputs), biased variance
 // inside invstd = 1 / sqrt(var + eps), the running variance updated with the unbiased one. They
 // are written with ATen ops on the device tensors, so each step runs the CPU kernel in place
 // through the shim's fallback.
 
+#include "op_path.h"
 #include "race_checker.h"
 
 #include <ATen/ATen.h>
 #include <ATen/AccumulateType.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -210,10 +213,63 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_gru_cell_backward(const
   return {grad_input.to(type), grad_hidden.to(type), (go * z).to(type), grad_input_bias, grad_hidden_bias};
 }
 
+// aten::_fused_rms_norm_backward(Tensor grad_out, Tensor input, int[] normalized_shape, Tensor rstd,
+// Tensor? weight, bool[2] output_mask) -> (Tensor, Tensor), on CPU views: a CUDA build's kernel
+// (aten/src/ATen/native/cuda/layer_norm_kernel.cu) computes in the accumulate type, with x_hat =
+// x * rstd and g = grad_out * weight: grad_input = (g - x_hat * mean(x_hat * g)) * rstd over the
+// normalized dimensions, grad_weight = the sum of grad_out * x_hat over the others.
+void fused_rms_norm_backward(torch::jit::Stack* stack) {
+  const c10::List<bool> mask = torch::jit::pop(*stack).toBoolList();
+  const std::optional<Tensor> weight = torch::jit::pop(*stack).toOptional<Tensor>();
+  const Tensor rstd = torch::jit::pop(*stack).toTensor();
+  const std::vector<int64_t> normalized_shape = torch::jit::pop(*stack).toIntVector();
+  const Tensor input = torch::jit::pop(*stack).toTensor();
+  const Tensor grad_out = torch::jit::pop(*stack).toTensor();
+  const int64_t axis = input.dim() - static_cast<int64_t>(normalized_shape.size());
+  std::vector<int64_t> inner, outer, stat_shape(input.sizes().begin(), input.sizes().end());
+  for (int64_t d = 0; d < input.dim(); ++d) {
+    if (d < axis) {
+      outer.push_back(d);
+    } else {
+      inner.push_back(d);
+      stat_shape[static_cast<size_t>(d)] = 1;
+    }
+  }
+  const Tensor x_hat = input.to(acc_type(input)) * rstd.to(acc_type(input)).reshape(stat_shape);
+  const Tensor dy = grad_out.to(acc_type(input));
+  const bool has_weight = weight.has_value() && weight->defined();
+  const Tensor g = has_weight ? dy * weight->to(acc_type(input)) : dy;
+  Tensor grad_input, grad_weight;
+  if (mask[0]) grad_input = ((g - x_hat * (x_hat * g).mean(inner, /*keepdim=*/true)) * rstd.reshape(stat_shape)).to(input.scalar_type());
+  if (mask[1] && has_weight) {
+    const Tensor product = dy * x_hat;
+    grad_weight = (outer.empty() ? product : product.sum(outer)).to(weight->scalar_type());
+  }
+  stack->emplace_back(std::move(grad_input));
+  stack->emplace_back(std::move(grad_weight));
+}
+
+// One GPU kernel that mirage's host side computes as a CPU composite: the op path times it as the
+// one op it is, and the composite's own ops go unrecorded (a GPU's profiler shows no ops under it).
+void one_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  at::DisableRecordFunctionGuard composite_unrecorded;
+  fallback(op, keys, stack);
+}
+
 }  // namespace
+
+HostKernel host_kernel(const c10::OperatorName& name) {
+  if (name.name == "aten::_fused_rms_norm_backward" && name.overload_name.empty()) return &fused_rms_norm_backward;
+  return nullptr;
+}
+
 }  // namespace mirage
 
 TORCH_LIBRARY_IMPL(aten, CUDA, m) {
+  // Each one kernel through the op path. The forward's host side is the CPU build's composite
+  // (rms_norm_composite, what `_fused_rms_norm` is without a kernel); the backward's is above.
+  m.impl("_fused_rms_norm", torch::CppFunction::makeFromBoxedFunction<&mirage::one_kernel>());
+  m.impl("_fused_rms_norm_backward", torch::CppFunction::makeFromBoxedFunction<&mirage::one_kernel>());
   m.impl("_thnn_fused_lstm_cell", TORCH_FN(mirage::fused_lstm_cell));
   m.impl("_thnn_fused_lstm_cell_backward_impl", TORCH_FN(mirage::fused_lstm_cell_backward_impl));
   m.impl("_thnn_fused_gru_cell", TORCH_FN(mirage::fused_gru_cell));

@@ -356,7 +356,9 @@ struct OpCall {
       op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
     } catch (const c10::NotImplementedError&) {
       if (op.hasKernelForDispatchKey(c10::DispatchKey::CPU)) throw;
-      not_emulated(op);
+      const HostKernel host = host_kernel(op.schema().operator_name());
+      if (host == nullptr) not_emulated(op);
+      host(stack);
     }
   }
 

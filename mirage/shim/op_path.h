@@ -11,6 +11,14 @@ namespace mirage {
 
 void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack);
 
+// The host side of an operator a CUDA build has a CUDA kernel for and a CPU build has no CPU
+// kernel for, which the emulated device runs as one kernel through `fallback` (so it is one op
+// on the timeline, in the memory model and in the profiler, as on a GPU): it takes the op's
+// arguments from the stack (CPU views of the device tensors) and pushes its results, as a boxed
+// CPU kernel would. Null where the operator has none (cuda_only_kernels.cpp).
+using HostKernel = void (*)(torch::jit::Stack* stack);
+HostKernel host_kernel(const c10::OperatorName& name);
+
 // Applies `fn` to every tensor of a Tensor[] or Tensor[][] value, in place.
 template <class Fn>
 inline void map_tensor_lists(c10::IValue& iv, Fn&& fn) {

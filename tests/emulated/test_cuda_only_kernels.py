@@ -194,3 +194,32 @@ def test_memory_efficient_attention_with_a_mask_gradient_is_as_close_as_a_gpus()
                                        msg=lambda m, what=what: f"{what}: {m}")
         checked += 1
     assert checked > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("affine", [True, False])
+def test_rms_norm_runs_the_fused_kernel_a_cuda_build_runs(dtype, affine):
+    """F.rms_norm (nn.RMSNorm) calls aten._fused_rms_norm, which a CUDA build has a kernel for:
+    one op forward and one backward, the autograd node of that op (which saves the input and
+    rstd, not the float32 intermediates the composite would), the composite's values."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, 32, dtype=dtype)
+    w = torch.randn(32, dtype=dtype) if affine else None
+    xd = x.cuda().requires_grad_()
+    wd = w.cuda().requires_grad_() if affine else None
+    with torch.profiler.profile() as prof:
+        y = torch.nn.functional.rms_norm(xd, (32,), wd, 1e-5)
+    ops = [e.name for e in prof.events() if e.name.startswith("aten::")]
+    assert ops[:2] == ["aten::rms_norm", "aten::_fused_rms_norm"] and "aten::pow" not in ops
+    assert type(y.grad_fn).__name__ == "FusedRmsNormBackward0"
+    xc = x.clone().requires_grad_()
+    wc = w.clone().requires_grad_() if affine else None
+    expected = torch.nn.functional.rms_norm(xc, (32,), wc, 1e-5)  # the CPU build's composite
+    torch.testing.assert_close(y.cpu(), expected)
+    grad = torch.randn_like(x)
+    y.backward(grad.cuda())
+    expected.backward(grad)
+    tolerance = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(xd.grad.cpu(), xc.grad, **tolerance)
+    if affine:
+        torch.testing.assert_close(wd.grad.cpu(), wc.grad, **tolerance)
