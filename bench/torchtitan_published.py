@@ -8,7 +8,8 @@ hosts: 8 H100s each, 96 GB HBM2e at 2.4 TB/s, a 500 W limit (the `h100-96gb` pro
 docs/performance.md (mid-2024) gives Llama 3 8B on 64 A100 80GB (8 nodes, eager FSDP2). Each case
 here is one row of its tables, run as torchtitan runs it (`torchrun -m torchtitan.train`, the
 model's flavor and the row's parallelism, batch, sequence length and activation checkpointing,
-as torchtitan's own command-line flags; torchtitan's defaults for the rest) under
+as torchtitan's own command-line flags; torchtitan's defaults for the rest; F.rms_norm as the
+torch of those runs computed it, bench/torch2024_norm.py) under
 `mirage run --timing --predict-only --virtual-clock --lazy-device-memory`, with only the data
 and tokenizer pointed at local files (tests/torchtitan_setup.py makes them).
 
@@ -49,6 +50,9 @@ sys.path.insert(0, str(REPO / "tests"))
 import torchtitan_setup  # noqa: E402 - tests/torchtitan_setup.py: torchtitan, triton, tokenizer, dataset
 
 
+TORCH_2024 = str(Path(__file__).resolve().parent / "torch2024_norm.py")  # bench/torch2024_norm.py
+
+
 @dataclass(frozen=True)
 class Case:
     """One published row: where it is, the job, and its figures."""
@@ -68,7 +72,8 @@ class Case:
     stand_ins_in_node: int = 1  # --stand-ins-in-node: 1 of every this many ranks of a running node runs
     like_for_like: bool = True  # False: the published run used what this one does not (named in `row`)
     compiled: bool = False  # torch.compile of each TransformerBlock, as torchtitan of 2024-12 compiled (not the loss)
-    entry: tuple[str, ...] = ("-m", "torchtitan.train")  # how torchrun starts the trainer
+    # how torchrun starts the trainer: with F.rms_norm as the torch of the published runs (2024) had it
+    entry: tuple[str, ...] = (TORCH_2024, "-m", "torchtitan.train")
 
     def model_parallel(self) -> int:
         """The GPUs one model replica spans (torchtitan's non-data-parallel size): the product of
@@ -78,7 +83,7 @@ class Case:
         return math.prod(degrees)
 
 
-LLAMA2 = (str(Path(__file__).resolve().parent / "torchtitan_llama2.py"),)  # Llama 2 flavors, then torchtitan.train
+LLAMA2 = (TORCH_2024, str(Path(__file__).resolve().parent / "torchtitan_llama2.py"))  # Llama 2 flavors, then torchtitan.train
 SELECTIVE_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
 CASES = {
     "8b-fsdp-8": Case("Table 1 (8B, 8 GPUs): FSDP", 1, "8B", 2, 8192, SELECTIVE_OP, 5762, 82.4),
