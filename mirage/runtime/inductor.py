@@ -434,7 +434,7 @@ class HostCompiledGraph:
             _running.device = outer
             self.busy_exit()
         for flops, nbytes, dtype in self.kernels:
-            self.clock_kernel(self.device, flops, nbytes, 1, dtype)
+            self.clock_kernel(self.device, flops, nbytes, dtype)
         moved = [i for i, o in enumerate(outputs) if isinstance(o, self.tensor_type) and self.output_devices[i] >= 0]
         views = self.device_views([outputs[i] for i in moved], [self.output_devices[i] for i in moved])
         for i, view in zip(moved, views):
@@ -504,7 +504,7 @@ def _kernels_not_run_when_predicting(compiled: Any, torch: ModuleType) -> None:
     holds). Its wrapper still runs, so its buffers are allocated and freed in its own order (the
     peak memory is the graph's), but while it runs for a device its kernels do nothing, except
     one whose tensors all hold integers or bools in a small storage, which runs as the op path
-    runs such a kernel; the graph's time is clock_compiled_graph's estimate either way."""
+    runs such a kernel; the graph's time is _graph_kernels' estimate either way."""
     module_globals = getattr(getattr(compiled, "current_callable", None), "__globals__", None)
     if module_globals is None or module_globals.get("_mirage_kernels_not_run"):
         return

@@ -379,17 +379,15 @@ MIRAGE_LIBRARY(m) {
           return mirage_collective_cost_ns(static_cast<int>(kind), bytes, static_cast<int>(ranks), static_cast<int>(nodes),
                                            1.0);
         });
-  // A torch.compile'd graph (its host kernels do not pass the op path): one entry on the
-  // device's current stream for its fused kernels, costed from what inductor's graph reads and
-  // writes and its matmuls' FLOPs (mirage/runtime/inductor.py estimates them at compile time).
-  m.def("clock_compiled_graph(int device, float flops, int bytes, int kernels, ScalarType dtype) -> ()",
-        [](int64_t device, double flops, int64_t bytes, int64_t kernels, c10::ScalarType dtype) {
+  // One kernel of a torch.compile'd graph (its host kernels do not pass the op path), on the
+  // device's current stream: a matmul or a fused group, as mirage/runtime/inductor.py's
+  // _graph_kernels estimates them at compile time from the graph inductor is handed.
+  m.def("clock_compiled_graph(int device, float flops, int bytes, ScalarType dtype) -> ()",
+        [](int64_t device, double flops, int64_t bytes, c10::ScalarType dtype) {
           if (!mirage::timing()) return;
           const auto dev = static_cast<mirage::DeviceIndex>(device);
-          mirage::KernelCost cost = mirage::kernel_cost(flops, bytes, dtype, 0);
-          const auto fixed = static_cast<int64_t>(std::max<int64_t>(kernels - 1, 0) * mirage::cost_model().kernel_fixed_ns);
-          cost.beside.fixed_ns += static_cast<double>(fixed);
-          mirage::run_on_stream(dev, mirage::tl_stream[dev], cost.ns + fixed, cost.kind, mirage::kCompiledGraph, bytes, flops,
+          const mirage::KernelCost cost = mirage::kernel_cost(flops, bytes, dtype, 0);
+          mirage::run_on_stream(dev, mirage::tl_stream[dev], cost.ns, cost.kind, mirage::kCompiledGraph, bytes, flops,
                                 &cost.beside);
         });
   // A GPU kernel that mirage runs as many ops (FlexAttention's block-sparse implementation,
