@@ -8,8 +8,8 @@ hosts: 8 H100s each, 96 GB HBM2e at 2.4 TB/s, a 500 W limit (the `h100-96gb` pro
 docs/performance.md (mid-2024) gives Llama 3 8B on 64 A100 80GB (8 nodes, eager FSDP2). Each case
 here is one row of its tables, run as torchtitan runs it (`torchrun -m torchtitan.train`, the
 model's flavor and the row's parallelism, batch, sequence length and activation checkpointing,
-as torchtitan's own command-line flags; torchtitan's defaults for the rest; F.rms_norm as the
-torch of those runs computed it, bench/torch2024_norm.py) under
+as torchtitan's own command-line flags; torchtitan's defaults for the rest; the RMSNorm the run's
+config named, bench/torchtitan2024_norm.py) under
 `mirage run --timing --predict-only --virtual-clock --lazy-device-memory`, with only the data
 and tokenizer pointed at local files (tests/torchtitan_setup.py makes them).
 
@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO / "tests"))
 import torchtitan_setup  # noqa: E402 - tests/torchtitan_setup.py: torchtitan, triton, tokenizer, dataset
 
 
-TORCH_2024 = str(Path(__file__).resolve().parent / "torch2024_norm.py")  # bench/torch2024_norm.py
+NORM_2024 = str(Path(__file__).resolve().parent / "torchtitan2024_norm.py")  # bench/torchtitan2024_norm.py
 
 
 @dataclass(frozen=True)
@@ -72,8 +72,10 @@ class Case:
     stand_ins_in_node: int = 1  # --stand-ins-in-node: 1 of every this many ranks of a running node runs
     like_for_like: bool = True  # False: the published run used what this one does not (named in `row`)
     compiled: bool = False  # torch.compile of each TransformerBlock, as torchtitan of 2024-12 compiled (not the loss)
-    # how torchrun starts the trainer: with F.rms_norm as the torch of the published runs (2024) had it
-    entry: tuple[str, ...] = (TORCH_2024, "-m", "torchtitan.train")
+    entry: tuple[str, ...] = ("-m", "torchtitan.train")  # how the trainer starts (after its norm is set)
+    # the published run's model.norm_type (bench/torchtitan2024_norm.py): torchtitan's eager RMSNorm
+    # module, or its fused Triton kernel, which torch 2.13's fused F.rms_norm stands for
+    norm: str = "rmsnorm"
 
     def model_parallel(self) -> int:
         """The GPUs one model replica spans (torchtitan's non-data-parallel size): the product of
@@ -83,7 +85,7 @@ class Case:
         return math.prod(degrees)
 
 
-LLAMA2 = (TORCH_2024, str(Path(__file__).resolve().parent / "torchtitan_llama2.py"))  # Llama 2 flavors, then torchtitan.train
+LLAMA2 = (str(Path(__file__).resolve().parent / "torchtitan_llama2.py"),)  # Llama 2 flavors, then torchtitan.train
 SELECTIVE_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
 CASES = {
     "8b-fsdp-8": Case("Table 1 (8B, 8 GPUs): FSDP", 1, "8B", 2, 8192, SELECTIVE_OP, 5762, 82.4),
@@ -100,7 +102,7 @@ CASES = {
                                ["--parallelism.tensor_parallel_degree", "8"], stand_ins=32, like_for_like=False),
     # torchtitan's docs/performance.md (mid-2024): 64 A100 80GB, FSDP2, eager, Llama 3 8B (no memory column)
     "8b-fsdp-64-a100-op": Case("performance.md (8B, 64 A100): selective op", 8, "8B", 1, 8192, SELECTIVE_OP, 2973, 0.0,
-                               profile="a100"),
+                               profile="a100", norm="fused_rmsnorm"),
     "405b-fsdp8-tp8-pp8-512": Case("Table 5 (405B, 512 GPUs): FSDP 8 x TP 8 x PP 8, 1F1B, full AC; published with "
                                    "torch.compile, Float8 and AsyncTP, run here without them", 64, "405B", 32, 8192,
                                    ["--activation_checkpoint.mode", "full"], 100, 82.5,
@@ -124,19 +126,19 @@ CASES = {
     "8b-fsdp-64-a100-layer": Case("performance.md (8B, 64 A100): selective layer (every 2nd block), 1 node standing "
                                   "for 8", 8, "8B", 1, 8192, ["--activation_checkpoint.mode", "selective",
                                   "--activation_checkpoint.selective_ac_option", "2"], 2904, 0.0, profile="a100",
-                                  stand_ins=8),
+                                  stand_ins=8, norm="fused_rmsnorm"),
     "8b-fsdp-64-a100-op-stand-ins": Case("performance.md (8B, 64 A100): selective op, 1 node standing for 8", 8, "8B",
-                                         1, 8192, SELECTIVE_OP, 2973, 0.0, profile="a100", stand_ins=8),
+                                         1, 8192, SELECTIVE_OP, 2973, 0.0, profile="a100", stand_ins=8, norm="fused_rmsnorm"),
     # the same page's Llama 2 table: torchtitan's llama2 model of then, as llama3 flavors (bench/torchtitan_llama2.py)
     "llama2-13b-fsdp-64-a100-none": Case("performance.md (Llama 2 13B, 64 A100): no AC", 8, "llama2_13B", 2, 4096,
                                          ["--activation_checkpoint.mode", "none"], 2162, 0.0, profile="a100",
-                                         stand_ins=8, entry=LLAMA2),
+                                         stand_ins=8, entry=LLAMA2, norm="fused_rmsnorm"),
     "llama2-13b-fsdp-64-a100-layer": Case("performance.md (Llama 2 13B, 64 A100): selective layer", 8, "llama2_13B", 2,
                                           4096, ["--activation_checkpoint.mode", "selective",
                                                  "--activation_checkpoint.selective_ac_option", "2"], 1914, 0.0,
-                                          profile="a100", stand_ins=8, entry=LLAMA2),
+                                          profile="a100", stand_ins=8, entry=LLAMA2, norm="fused_rmsnorm"),
     "llama2-13b-fsdp-64-a100-op": Case("performance.md (Llama 2 13B, 64 A100): selective op", 8, "llama2_13B", 2, 4096,
-                                       SELECTIVE_OP, 1904, 0.0, profile="a100", stand_ins=8, entry=LLAMA2),
+                                       SELECTIVE_OP, 1904, 0.0, profile="a100", stand_ins=8, entry=LLAMA2, norm="fused_rmsnorm"),
     "llama2-70b-fsdp-64-a100-op": Case("performance.md (Llama 2 70B, 64 A100): selective op, local batch 1", 8,
                                        "llama2_70B", 1, 4096, SELECTIVE_OP, 355, 0.0, profile="a100", stand_ins=8,
                                        entry=LLAMA2),
@@ -154,7 +156,7 @@ def torchrun(case: Case, assets: Path, dump: Path, steps: int, traces: Path | No
     profiling = [] if traces is None else [
         "--profiling.enable_profiling", "--profiling.save_traces_folder", str(traces),
         "--profiling.profile_freq", str(steps), "--profiling.profiler_warmup", "1"]
-    titan = [*case.entry, "--model.name", "llama3", "--model.flavor", case.flavor,
+    titan = [NORM_2024, "--norm", case.norm, *case.entry, "--model.name", "llama3", "--model.flavor", case.flavor,
              *torchtitan_setup.data_flags(assets), "--training.local_batch_size", str(case.local_batch),
              "--training.seq_len", str(case.seq_len), "--training.steps", str(steps),
              "--parallelism.data_parallel_shard_degree", "-1", *case.parallelism, *case.activation_checkpoint,
