@@ -492,11 +492,6 @@ class _ExternKernelsNotRun:
         return call
 
 
-# --predict-only: integer and bool data up to this size steers the program, so kernels over only
-# such data run (the op path's rule: mirage/shim/op_path.cpp, kSteeringBytes).
-_STEERING_BYTES = 16 << 20
-
-
 def _kernels_not_run_when_predicting(compiled: Any, torch: ModuleType) -> None:
     """--predict-only runs no kernel (the op path places it on the timeline instead); a moved
     graph's generated code would still run its fused C++ kernels and extern matmuls on the host,
@@ -509,11 +504,14 @@ def _kernels_not_run_when_predicting(compiled: Any, torch: ModuleType) -> None:
     if module_globals is None or module_globals.get("_mirage_kernels_not_run"):
         return
     tensor_type = torch.Tensor
+    # integer and bool data up to this size steers the program, so kernels over only such data run
+    # (the op path's rule)
+    steering_bytes = torch.ops.mirage.predict_only_steering_bytes()
 
     def steering(args: Sequence[Any]) -> bool:
         tensors = [a for a in args if isinstance(a, tensor_type)]
         return bool(tensors) and all(not (t.is_floating_point() or t.is_complex())
-                                     and t.untyped_storage().nbytes() <= _STEERING_BYTES for t in tensors)
+                                     and t.untyped_storage().nbytes() <= steering_bytes for t in tensors)
 
     def not_run(kernel: Callable) -> Callable:
         def call(*args: Any) -> None:

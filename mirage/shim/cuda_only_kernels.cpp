@@ -249,27 +249,25 @@ void fused_rms_norm_backward(torch::jit::Stack* stack) {
   stack->emplace_back(std::move(grad_weight));
 }
 
-// One GPU kernel that mirage's host side computes as a CPU composite: the op path times it as the
-// one op it is, and the composite's own ops go unrecorded (a GPU's profiler shows no ops under it).
+// One GPU kernel that mirage's host side computes as a CPU composite (`host`, or the CPU build's
+// composite where null): the op path times it as the one op it is, and the composite's own ops go
+// unrecorded (a GPU's profiler shows no ops under it).
+template <HostKernel host>
 void one_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   at::DisableRecordFunctionGuard composite_unrecorded;
-  fallback(op, keys, stack);
+  fallback_on_host(op, keys, stack, host);
 }
 
 }  // namespace
-
-HostKernel host_kernel(const c10::OperatorName& name) {
-  if (name.name == "aten::_fused_rms_norm_backward" && name.overload_name.empty()) return &fused_rms_norm_backward;
-  return nullptr;
-}
 
 }  // namespace mirage
 
 TORCH_LIBRARY_IMPL(aten, CUDA, m) {
   // Each one kernel through the op path. The forward's host side is the CPU build's composite
   // (rms_norm_composite, what `_fused_rms_norm` is without a kernel); the backward's is above.
-  m.impl("_fused_rms_norm", torch::CppFunction::makeFromBoxedFunction<&mirage::one_kernel>());
-  m.impl("_fused_rms_norm_backward", torch::CppFunction::makeFromBoxedFunction<&mirage::one_kernel>());
+  m.impl("_fused_rms_norm", torch::CppFunction::makeFromBoxedFunction<&mirage::one_kernel<nullptr>>());
+  m.impl("_fused_rms_norm_backward",
+         torch::CppFunction::makeFromBoxedFunction<&mirage::one_kernel<&mirage::fused_rms_norm_backward>>());
   m.impl("_thnn_fused_lstm_cell", TORCH_FN(mirage::fused_lstm_cell));
   m.impl("_thnn_fused_lstm_cell_backward_impl", TORCH_FN(mirage::fused_lstm_cell_backward_impl));
   m.impl("_thnn_fused_gru_cell", TORCH_FN(mirage::fused_gru_cell));

@@ -13,6 +13,7 @@
 #include "op_cost.h"
 #include "profiler_activities.h"
 #include "race_checker.h"
+#include "unobserved_ops.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Operators.h>
@@ -148,8 +149,13 @@ static void clock_kernel(const c10::OperatorHandle& op, const OpTraits& traits, 
 }
 
 // --predict-only: integer and bool data up to this size steers the program: its kernels run,
-// and what no kernel computed reads as 0 (predict_without_running).
+// and what no kernel computed reads as 0 (predict_without_running). A compiled graph's kernels
+// follow the same rule (mirage/runtime/inductor.py reads it as predict_only_steering_bytes()).
 constexpr int64_t kSteeringBytes = int64_t{16} << 20;
+
+MIRAGE_LIBRARY(m) {
+  m.def("predict_only_steering_bytes() -> int", []() -> int64_t { return kSteeringBytes; });
+}
 
 // --predict-only: the op's results from its Meta kernel (contents undefined) and its predicted
 // time, without running the CPU kernel; false where the op needs its data (it then runs).
@@ -351,14 +357,14 @@ struct OpCall {
     }
   }
 
-  void run_cpu_kernel() {
+  // The CPU build's kernel, or the host kernel the caller gave for an op a CPU build has none for.
+  void run_cpu_kernel(HostKernel host) {
+    if (host != nullptr) return host(stack);
     try {
       op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
     } catch (const c10::NotImplementedError&) {
       if (op.hasKernelForDispatchKey(c10::DispatchKey::CPU)) throw;
-      const HostKernel host = host_kernel(op.schema().operator_name());
-      if (host == nullptr) not_emulated(op);
-      host(stack);
+      not_emulated(op);
     }
   }
 
@@ -434,7 +440,7 @@ struct OpCall {
   }
 };
 
-void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+void fallback_on_host(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack, HostKernel host) {
   if (C10_UNLIKELY(g_fault_ops.load(std::memory_order_relaxed))) fault_at_op();  // --fault ...:at=op:N
   if (capturing()) return capture_op(op, stack);  // recorded for replay, not run
   const OpTraits& traits = traits_of(op.schema());
@@ -450,7 +456,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
   {
     BusyTimer busy(call.device);  // utilization (host time)
     DeviceKernelRunning running;  // its CPU allocations are not the process's CPU memory (cpu_allocator.h)
-    call.run_cpu_kernel();
+    call.run_cpu_kernel(host);
   }
   if (profiled) {
     note_device_work(Interval{began, profiler_wall_ns(), op.schema().name().c_str(), 0, 0, tl_stream[call.device],
@@ -460,6 +466,10 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
   if (C10_UNLIKELY(races::on()) && !traits.returns_view) call.check_races();  // --check-races (race_checker.h)
   if (timing()) call.clock();     // the predicted timeline
   call.release_aliases();
+}
+
+void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  fallback_on_host(op, keys, stack, nullptr);
 }
 
 // The unboxed op path: the same call as `fallback` for the hottest small ops, without boxing.

@@ -12,12 +12,15 @@ namespace mirage {
 void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack);
 
 // The host side of an operator a CUDA build has a CUDA kernel for and a CPU build has no CPU
-// kernel for, which the emulated device runs as one kernel through `fallback` (so it is one op
-// on the timeline, in the memory model and in the profiler, as on a GPU): it takes the op's
-// arguments from the stack (CPU views of the device tensors) and pushes its results, as a boxed
-// CPU kernel would. Null where the operator has none (cuda_only_kernels.cpp).
+// kernel for (cuda_only_kernels.cpp): it takes the op's arguments from the stack (CPU views of
+// the device tensors) and pushes its results, as a boxed CPU kernel would.
 using HostKernel = void (*)(torch::jit::Stack* stack);
-HostKernel host_kernel(const c10::OperatorName& name);
+
+// `fallback` with `host` in place of the CPU build's kernel, so that such an op is still one
+// kernel of the op path: one op on the timeline, in the memory model and in the profiler, as on
+// a GPU.
+void fallback_on_host(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack,
+                      HostKernel host);
 
 // Applies `fn` to every tensor of a Tensor[] or Tensor[][] value, in place.
 template <class Fn>
