@@ -305,11 +305,12 @@ def drained(session: str, watched: WatchedCgroup) -> list:
     return left
 
 
-def test_sigkill_at_random_moments_leaves_nothing_after_cleanup(tmp_path):
-    """50 rounds; each kills `mirage run` with SIGKILL at a random moment of its life; its
-    workload hides processes from mirage (tests/escapees.py) as soon as it starts."""
+@pytest.mark.parametrize("rounds", [15, pytest.param(50, marks=pytest.mark.slow)])  # 50: MIRAGE_SLOW_TESTS=1
+def test_sigkill_at_random_moments_leaves_nothing_after_cleanup(tmp_path, rounds):
+    """Each round kills `mirage run` with SIGKILL at a random moment of its life; its workload
+    hides processes from mirage (tests/escapees.py) as soon as it starts."""
     rng = random.Random(1234)
-    for round_number in range(50):
+    for round_number in range(rounds):
         record = tmp_path / f"pids{round_number}"
         watched = WatchedCgroup()
         try:
