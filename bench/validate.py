@@ -62,8 +62,13 @@ def predict(cases: list[dict]) -> list[float]:
             out.append(case["bytes"] / torch.ops.mirage.clock_predict_stream_ns(case["bytes"]))  # GB/s
         elif case["kind"] == "attention":
             b, h, s, d, causal = case["batch"], case["heads"], case["seq"], case["head_dim"], case["causal"]
-            ns = torch.ops.mirage.clock_predict_attention_ns(b, h, s, d, causal, getattr(torch, case["dtype"]))
-            out.append(4 * b * h * s * s * d / (2 if causal else 1) / ns / 1e3)  # TFLOP/s, FlashAttention's count
+            forward, backward = (torch.ops.mirage.clock_predict_attention_ns(b, h, s, d, causal, getattr(torch, case["dtype"]),
+                                                                             pass_ == "backward")
+                                 for pass_ in ("forward", "backward"))
+            flops = 4 * b * h * s * s * d / (2 if causal else 1)  # FlashAttention's count: the forward's
+            ns, work = {"forward": (forward, flops), "backward": (backward, 2.5 * flops),
+                        "forward+backward": (forward + backward, 3.5 * flops)}[case.get("pass", "forward")]
+            out.append(work / ns / 1e3)  # TFLOP/s
         else:
             ns = torch.ops.mirage.clock_predict_collective_ns(KIND[case["op"]], case["bytes"], case["ranks"], case["nodes"])
             out.append(case["bytes"] * BUS_FACTOR[case["op"]](case["ranks"]) / ns)  # busbw GB/s
@@ -112,7 +117,7 @@ def describe(case: dict) -> str:
     if case["kind"] == "stream":
         return f"streaming kernel, {case['bytes'] / 2**20:.0f} MiB moved"
     if case["kind"] == "attention":
-        return (f"attention forward {case['batch']}x{case['heads']}x{case['seq']}x{case['head_dim']} "
+        return (f"attention {case.get('pass', 'forward')} {case['batch']}x{case['heads']}x{case['seq']}x{case['head_dim']} "
                 f"{'causal' if case['causal'] else 'non-causal'} {case['dtype']}")
     where = f"{case['ranks']} GPUs" + (f", {case['nodes']} nodes" if case["nodes"] > 1 else "")
     return f"{case['op']} {case['bytes'] / 2**20:.0f} MiB, {where}"

@@ -103,6 +103,7 @@ TIMING_KEYS: dict[str, str] = {
     "gemm_efficiency": "the fraction of peak_tflops large GEMMs reach",
     "gemm_efficiency_fp8": "the fraction of the FP8 peak large FP8 GEMMs reach",
     "attention_efficiency": "the fraction of the dtype's peak fused (flash) attention kernels reach",
+    "attention_backward_efficiency": "the same for fused attention's backward kernel (2.5x its forward's FLOPs)",
     "attention_block_rows": "query rows a fused attention kernel computes together (a causal kernel computes "
                             "whole the blocks its diagonal crosses)",
     "gemm_tile_m": "GEMM output tile rows (wave quantisation)",

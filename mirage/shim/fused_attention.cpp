@@ -130,7 +130,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, c10::SymInt, c10::SymInt, Tensor, Ten
   const Tensor offset = at::zeros({}, seed.options());
   if (timing() && kernel.outermost) {
     clock_fused_kernel("aten::_scaled_dot_product_flash_attention", {query, key, value}, {out, logsumexp}, is_causal,
-                       query.size(-2), key.size(-2));
+                       query.size(-2), key.size(-2), ComputeKind::kAttention);
   }
   // logsumexp (B, H, L) float and contiguous, as the meta kernel says (the CPU kernel's is a
   // transposed (B, L, H)).
@@ -151,7 +151,7 @@ std::tuple<Tensor, Tensor, Tensor> flash_attention_backward(const Tensor& grad_o
   if (timing() && kernel.outermost) {
     clock_fused_kernel("aten::_scaled_dot_product_flash_attention_backward", {grad_out, query, key, value, out},
                        {std::get<0>(grads), std::get<1>(grads), std::get<2>(grads)}, is_causal, query.size(-2),
-                       key.size(-2));
+                       key.size(-2), ComputeKind::kAttentionBackward);
   }
   return grads;
 }
@@ -184,7 +184,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> efficient_attention(const Tensor& que
   const Tensor seed = at::zeros({}, query.options().dtype(at::kLong));
   if (timing() && kernel.outermost) {
     clock_fused_kernel("aten::_scaled_dot_product_efficient_attention", {query, key, value}, {out, lse}, is_causal,
-                       query.size(-2), key.size(-2));
+                       query.size(-2), key.size(-2), ComputeKind::kAttention);
   }
   return {out, lse, seed, seed.clone()};
 }
@@ -238,7 +238,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> efficient_attention_backward(const Te
   if (timing() && kernel.outermost) {
     clock_fused_kernel("aten::_scaled_dot_product_efficient_attention_backward", {grad_out, query, key, value, out},
                        {std::get<0>(grads), std::get<1>(grads), std::get<2>(grads)}, is_causal, query.size(-2),
-                       key.size(-2));
+                       key.size(-2), ComputeKind::kAttentionBackward);
   }
   return grads;
 }

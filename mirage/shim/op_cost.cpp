@@ -84,6 +84,7 @@ CostModel load_model() {
   m.gemm_efficiency = need(p, "gemm_efficiency");
   m.gemm_efficiency_fp8 = need(p, "gemm_efficiency_fp8");
   m.attention_efficiency = need(p, "attention_efficiency");
+  m.attention_backward_efficiency = need(p, "attention_backward_efficiency");
   m.attention_block_rows = static_cast<int64_t>(need(p, "attention_block_rows"));
   m.tile_m = static_cast<int64_t>(need(p, "gemm_tile_m"));
   m.tile_n = static_cast<int64_t>(need(p, "gemm_tile_n"));
@@ -170,9 +171,10 @@ KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, int64_
   const CostModel& m = cost_model();
   const bool fp8 = dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2 || dtype == at::kFloat8_e4m3fnuz ||
                    dtype == at::kFloat8_e5m2fnuz;
-  const double efficiency = kind == ComputeKind::kAttention ? m.attention_efficiency
-                            : fp8                            ? m.gemm_efficiency_fp8
-                                                             : m.gemm_efficiency;
+  const double efficiency = kind == ComputeKind::kAttention           ? m.attention_efficiency
+                            : kind == ComputeKind::kAttentionBackward ? m.attention_backward_efficiency
+                            : fp8                                     ? m.gemm_efficiency_fp8
+                                                                      : m.gemm_efficiency;
   // The FLOPs' time on `units` compute units: a GEMM's tiles in whole waves over them, other
   // work spread over them evenly.
   auto compute_on = [&](int64_t units) {
@@ -266,7 +268,8 @@ double causal_work(int64_t seq_q, int64_t seq_k) {
 }
 
 void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs,
-                        std::initializer_list<at::Tensor> outputs, bool causal, int64_t seq_q, int64_t seq_k) {
+                        std::initializer_list<at::Tensor> outputs, bool causal, int64_t seq_q, int64_t seq_k,
+                        ComputeKind kind) {
   const at::Tensor& first = *inputs.begin();
   const DeviceIndex dev = first.device().index();
   int64_t bytes = 0;
@@ -283,7 +286,7 @@ void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs
   const double counted = has_flop_formula(handle.schema()) ? flop_count(handle, args, results.data(), results.size()) : 0;
   const double flops = causal ? counted / 2 : counted;  // the model's FLOPs (MFU); the time follows the work done
   const double work = causal ? counted * causal_work(seq_q, seq_k) : counted;
-  const KernelCost cost = kernel_cost(work, bytes, first.scalar_type(), 0, ComputeKind::kAttention);
+  const KernelCost cost = kernel_cost(work, bytes, first.scalar_type(), 0, kind);
   run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, handle.schema().name().c_str(), bytes, flops, &cost.beside,
                 first.scalar_type());
 }
@@ -364,13 +367,18 @@ MIRAGE_LIBRARY(m) {
           const int64_t bytes = (rows * inner + inner * cols + rows * cols) * static_cast<int64_t>(c10::elementSize(dtype));
           return mirage::kernel_cost(flops, bytes, dtype, mirage::output_tiles(1, rows, cols)).beside.cost(0);
         });
-  // Fused attention's forward over batch x heads x seq x head_dim (4 x b x h x s^2 x d FLOPs, of
-  // which a causal kernel does causal_work).
-  m.def("clock_predict_attention_ns(int batch, int heads, int seq, int head_dim, bool causal, ScalarType dtype) -> int",
-        [](int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, bool causal, c10::ScalarType dtype) -> int64_t {
-          const double flops = 4.0 * batch * heads * seq * seq * head_dim * (causal ? mirage::causal_work(seq, seq) : 1.0);
-          const int64_t bytes = 4 * batch * heads * seq * head_dim * static_cast<int64_t>(c10::elementSize(dtype));
-          return mirage::kernel_cost(flops, bytes, dtype, 0, mirage::ComputeKind::kAttention).ns;
+  // Fused attention over batch x heads x seq x head_dim: its forward (4 x b x h x s^2 x d FLOPs,
+  // reading q, k, v and writing the output), or its backward (2.5 x those FLOPs, with the scores'
+  // recomputation; reading q, k, v, the output and its gradient, writing three gradients); a
+  // causal kernel does causal_work of them.
+  m.def("clock_predict_attention_ns(int batch, int heads, int seq, int head_dim, bool causal, ScalarType dtype, "
+        "bool backward=False) -> int",
+        [](int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, bool causal, c10::ScalarType dtype,
+           bool backward) -> int64_t {
+          const double forward = 4.0 * batch * heads * seq * seq * head_dim * (causal ? mirage::causal_work(seq, seq) : 1.0);
+          const int64_t tensor = batch * heads * seq * head_dim * static_cast<int64_t>(c10::elementSize(dtype));
+          return backward ? mirage::kernel_cost(2.5 * forward, 8 * tensor, dtype, 0, mirage::ComputeKind::kAttentionBackward).ns
+                          : mirage::kernel_cost(forward, 4 * tensor, dtype, 0, mirage::ComputeKind::kAttention).ns;
         });
   m.def("clock_predict_stream_ns(int bytes) -> int",
         [](int64_t bytes) -> int64_t { return mirage::kernel_cost(0, bytes, c10::kByte, 0).ns; });
@@ -399,7 +407,8 @@ MIRAGE_LIBRARY(m) {
           static const char* const names[] = {"flex_attention", "flex_attention_backward"};
           if (--mirage::tl_kernel_depth > 0 || !mirage::timing() || kernel < 0 || kernel > 1) return;
           const auto dev = static_cast<mirage::DeviceIndex>(device);
-          const mirage::KernelCost cost = mirage::kernel_cost(flops, bytes, dtype, 0, mirage::ComputeKind::kAttention);
+          const mirage::KernelCost cost = mirage::kernel_cost(
+              flops, bytes, dtype, 0, kernel == 0 ? mirage::ComputeKind::kAttention : mirage::ComputeKind::kAttentionBackward);
           mirage::run_on_stream(dev, mirage::tl_stream[dev], cost.ns, cost.kind, names[kernel], bytes, flops,
                                 &cost.beside, dtype);
         });

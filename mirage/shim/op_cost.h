@@ -38,6 +38,7 @@ struct CostModel {
   double gemm_efficiency;         // the fraction of peak large GEMMs reach
   double gemm_efficiency_fp8;     // the same for FP8 GEMMs (a smaller fraction of a larger peak)
   double attention_efficiency;    // the fraction of peak fused attention reaches (softmax between its GEMMs)
+  double attention_backward_efficiency;  // the same for its backward kernel
   int64_t attention_block_rows;   // query rows a fused attention kernel computes together
   int64_t tile_m, tile_n, compute_units;
   // The compute units a running NCCL kernel holds (one per channel): a GEMM overlapped with a
@@ -69,8 +70,10 @@ struct KernelCost {
   Beside beside;  // the same kernel while a collective runs beside it
 };
 // What a kernel's FLOPs run at: a GEMM's efficiency, or fused attention's (lower: its softmax
-// and rescaling sit between the two GEMMs on the critical path).
-enum class ComputeKind { kGemm, kAttention };
+// and rescaling sit between the two GEMMs on the critical path), whose backward kernel has an
+// efficiency of its own (lower again: FlashAttention-2's backward on H100 reaches 214-322 TFLOP/s
+// where its forward reaches 309-370, docs/validation.md).
+enum class ComputeKind { kGemm, kAttention, kAttentionBackward };
 // What a kernel reads and writes, and whether PyTorch's vectorized fast path could take it: an
 // elementwise kernel over tensors that are all dense (contiguous, or permuted without gaps) and of
 // one size loads whole vectors; a broadcast, a strided view (a chunk, a slice), a reduction or a
@@ -126,6 +129,7 @@ double causal_work(int64_t seq_q, int64_t seq_k);
 // kernel does over `seq_q` query and `seq_k` key positions (causal_work). Call with a KernelScope
 // held around the kernel's ATen work, and only when that scope is the outermost.
 void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs,
-                        std::initializer_list<at::Tensor> outputs, bool causal, int64_t seq_q, int64_t seq_k);
+                        std::initializer_list<at::Tensor> outputs, bool causal, int64_t seq_q, int64_t seq_k,
+                        ComputeKind kind);
 
 }  // namespace mirage
