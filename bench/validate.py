@@ -62,13 +62,11 @@ def predict(cases: list[dict]) -> list[float]:
             out.append(case["bytes"] / torch.ops.mirage.clock_predict_stream_ns(case["bytes"]))  # GB/s
         elif case["kind"] == "attention":
             b, h, s, d, causal = case["batch"], case["heads"], case["seq"], case["head_dim"], case["causal"]
-            forward, backward = (torch.ops.mirage.clock_predict_attention_ns(b, h, s, d, causal, getattr(torch, case["dtype"]),
-                                                                             pass_ == "backward")
-                                 for pass_ in ("forward", "backward"))
-            flops = 4 * b * h * s * s * d / (2 if causal else 1)  # FlashAttention's count: the forward's
-            ns, work = {"forward": (forward, flops), "backward": (backward, 2.5 * flops),
-                        "forward+backward": (forward + backward, 3.5 * flops)}[case.get("pass", "forward")]
-            out.append(work / ns / 1e3)  # TFLOP/s
+            passes = {"forward": (False,), "backward": (True,), "forward+backward": (False, True)}[case.get("pass", "forward")]
+            ns = sum(torch.ops.mirage.clock_predict_attention_ns(b, h, s, d, causal, getattr(torch, case["dtype"]), backward)
+                     for backward in passes)
+            forward_flops = 4 * b * h * s * s * d / (2 if causal else 1)  # FlashAttention's count
+            out.append(sum(2.5 if backward else 1.0 for backward in passes) * forward_flops / ns / 1e3)  # TFLOP/s
         else:
             ns = torch.ops.mirage.clock_predict_collective_ns(KIND[case["op"]], case["bytes"], case["ranks"], case["nodes"])
             out.append(case["bytes"] * BUS_FACTOR[case["op"]](case["ranks"]) / ns)  # busbw GB/s
