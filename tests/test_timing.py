@@ -37,14 +37,20 @@ def model(name: str) -> dict[str, float]:
 
 
 def expected_gemm_ms(name: str, n: int, beside_collective: bool = False, **tuned: float) -> float:
-    """The cost model's formula for an n x n x n bf16 GEMM, from the profile's numbers (and `tuned`);
-    beside a collective its tiles run in waves over the compute units NCCL's kernel leaves."""
+    """The cost model's formula for an n x n x n bf16 GEMM, from the profile's numbers (and `tuned`):
+    its output tiles (split along K when too few to fill the compute units, no split shorter than
+    gemm_split_k_min) in whole waves over the units, each wave a tile's FLOPs at one unit's share of
+    the GEMM efficiency plus the epilogue (gemm_epilogue_share of one wave's output tiles stored at
+    the HBM bandwidth); beside a collective the waves run over the units NCCL's kernel leaves."""
     m = {**model(name), **tuned}
+    hbm_bytes_per_ns = m["memory_bandwidth_gbs"] * m["memory_efficiency"]
     tiles = math.ceil(n / m["gemm_tile_m"]) * math.ceil(n / m["gemm_tile_n"])
     units = m["compute_units"] - (m["nccl_compute_units"] if beside_collective else 0)
-    quantisation = tiles / (math.ceil(tiles / units) * m["compute_units"])
-    compute_ns = 2 * n**3 / (m["peak_tflops.bf16"] * 1e3 * m["gemm_efficiency"] * quantisation)
-    memory_ns = 3 * n * n * 2 / (m["memory_bandwidth_gbs"] * m["memory_efficiency"])
+    splits = max(1, min(units // tiles, n // int(m["gemm_split_k_min"]))) if tiles < units else 1
+    unit_flops_per_ns = m["peak_tflops.bf16"] * 1e3 * m["gemm_efficiency"] / m["compute_units"]
+    epilogue_ns = m["gemm_epilogue_share"] * m["compute_units"] * m["gemm_tile_m"] * m["gemm_tile_n"] * 2 / hbm_bytes_per_ns
+    compute_ns = math.ceil(tiles * splits / units) * (2 * n**3 / (tiles * splits) / unit_flops_per_ns + epilogue_ns)
+    memory_ns = 3 * n * n * 2 / hbm_bytes_per_ns
     return (max(compute_ns, memory_ns) + m["kernel_overhead_us"] * 1e3) / 1e6
 
 
@@ -59,8 +65,9 @@ def waves(name: str, n: int) -> float:
     ("mi300x", 1024, []), ("mi300x", 8192, ["--predict-only"]),
 ])
 def test_events_time_kernels_by_the_profiles_model(name, n, predict_only):
-    """1024 runs its kernels and under-fills the GPU (under one wave of tiles); the larger shape fills
-    it (several waves, the last one partial: 4096 on H100's 132 units, 8192 on MI300X's 304) and is
+    """1024 runs its kernels and under-fills the GPU (under one wave of tiles: on H100 it is split
+    along K); the larger shape fills it (several waves, the last one partial: 4096 on H100's 132
+    units, 8192 on MI300X's 304) and is
     only predicted (--predict-only: bf16 GEMMs of that size take minutes on a CPU without
     AVX512-BF16), as a large model's prediction runs."""
     assert (waves(name, n) < 1) == (n == 1024)

@@ -108,6 +108,10 @@ TIMING_KEYS: dict[str, str] = {
                             "whole the blocks its diagonal crosses)",
     "gemm_tile_m": "GEMM output tile rows (wave quantisation)",
     "gemm_tile_n": "GEMM output tile columns (wave quantisation)",
+    "gemm_epilogue_share": "the share of a GEMM wave's output store (its tiles at the HBM bandwidth) not hidden "
+                           "behind the wave's main loop",
+    "gemm_split_k_min": "the least K one split of a split-K GEMM takes (a grid of fewer tiles than compute units "
+                        "is split along K)",
     "nccl_compute_units": "compute units a running NCCL kernel holds (a GEMM beside it runs its waves on the rest)",
     "nccl_bus_efficiency": "the fraction of one direction of link_bandwidth_gbs NCCL's busbw reaches",
     "nvls_bus_efficiency": "all_reduce's busbw with NVLink SHARP, as a fraction of one link direction (0: none)",

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import math
 import threading
 from types import ModuleType
 from typing import Any, Callable, Sequence
@@ -259,7 +260,21 @@ class _OutputGeometry:
             return None
 
 
-def _graph_kernels(gm: Any, torch: ModuleType) -> list[tuple[float, int, Any]]:
+def _gemm_shape(packet: Any, tensors: list, out: Any, torch: ModuleType) -> list[int]:
+    """A matmul's [batch, rows, cols, K] as the cost model takes it (waves of output tiles, split-K,
+    as the op path times the same GEMM run eagerly); [] where it is not one of the mm family or its
+    shape is symbolic. addmm and baddbmm take the bias first."""
+    first = {torch.ops.aten.mm: 0, torch.ops.aten.bmm: 0, torch.ops.aten.addmm: 1, torch.ops.aten.baddbmm: 1}.get(packet)
+    if first is None or len(tensors) <= first or not isinstance(out, torch.Tensor) or out.dim() < 2:
+        return []
+    try:
+        return [math.prod(int(d) for d in out.shape[:-2]), int(out.shape[-2]), int(out.shape[-1]),
+                int(tensors[first].shape[-1])]
+    except (TypeError, ValueError, RuntimeError):  # a symbolic size without a hint
+        return []
+
+
+def _graph_kernels(gm: Any, torch: ModuleType) -> list[tuple[float, int, Any, list[int]]]:
     """Clocked mode's estimate of a compiled graph: the kernels inductor makes of it, which run one
     after another on the stream. Each matmul-family node (flop_counter's formulas) is a kernel of
     its own, reading its operands and writing its result. The pointwise and reduction nodes
@@ -329,7 +344,8 @@ def _graph_kernels(gm: Any, torch: ModuleType) -> list[tuple[float, int, Any]]:
             except Exception:  # noqa: BLE001 - a formula that cannot read symbolic shapes: no FLOPs counted
                 flops = 0.0
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            cost = [flops, sum(size(t) for t in tensors) + size(val(node)), tensors[0].dtype if tensors else torch.float32]
+            cost = [flops, sum(size(t) for t in tensors) + size(val(node)), tensors[0].dtype if tensors else torch.float32,
+                    _gemm_shape(packet, tensors, val(node), torch)]
             kernels.append((node, cost))
         elif isinstance(target, torch._ops.OpOverload) and target.namespace in ("aten", "prims"):
             kind[node] = "fused"
@@ -363,7 +379,7 @@ def _graph_kernels(gm: Any, torch: ModuleType) -> list[tuple[float, int, Any]]:
         if kind.get(node) == "fused" and base.get(node) is node:
             root = find(node)
             if root not in fused_costs:
-                fused_costs[root] = [0.0, 0, val(node).dtype if isinstance(val(node), torch.Tensor) else torch.float32]
+                fused_costs[root] = [0.0, 0, val(node).dtype if isinstance(val(node), torch.Tensor) else torch.float32, []]
                 kernels.append((node, fused_costs[root]))
     for root, cost in fused_costs.items():
         cost[1] = sum(size(val(t)) for t in reads.get(root, ())) + sum(size(val(t)) for t in writes.get(root, ()))
@@ -390,7 +406,7 @@ class HostCompiledGraph:
         self.clock_kernel = torch.ops.mirage.clock_compiled_graph
         self.device = device  # whose memory its buffers are, whose busy time its kernels are
         self.tensor_type = torch.Tensor
-        self.kernels: list[tuple[float, int, Any]] = []  # clocked mode: its kernels' (FLOPs, bytes, dtype), see _graph_kernels
+        self.kernels: list[tuple[float, int, Any, list[int]]] = []  # clocked mode: its kernels' (FLOPs, bytes, dtype, GEMM shape), see _graph_kernels
 
     def _capture(self, host_args: list) -> list:
         """Called during a CUDA graph capture: the outputs are allocated (their contents undefined
@@ -433,8 +449,8 @@ class HostCompiledGraph:
         finally:
             _running.device = outer
             self.busy_exit()
-        for flops, nbytes, dtype in self.kernels:
-            self.clock_kernel(self.device, flops, nbytes, dtype)
+        for flops, nbytes, dtype, gemm in self.kernels:
+            self.clock_kernel(self.device, flops, nbytes, dtype, gemm)
         moved = [i for i, o in enumerate(outputs) if isinstance(o, self.tensor_type) and self.output_devices[i] >= 0]
         views = self.device_views([outputs[i] for i in moved], [self.output_devices[i] for i in moved])
         for i, view in zip(moved, views):

@@ -66,6 +66,31 @@ void read_slowdowns(CostModel& m) {
   }
 }
 
+// A GEMM's output tiles: ceil(rows / tile_m) x ceil(cols / tile_n) per batch.
+static int64_t output_tiles(const CostModel& m, int64_t batch, int64_t rows, int64_t cols) {
+  return batch * ((rows + m.tile_m - 1) / m.tile_m) * ((cols + m.tile_n - 1) / m.tile_n);
+}
+
+// One wave's epilogue: each unit storing its output tile while every unit stores, a share of it
+// not hidden behind the main loop (gemm_epilogue_share, fitted to XLA's H100 matmul table).
+static double epilogue_ns(const CostModel& m, at::ScalarType dtype) {
+  const double tile_bytes = static_cast<double>(m.tile_m * m.tile_n) * std::max<int64_t>(2, c10::elementSize(dtype));
+  return m.gemm_epilogue_share * static_cast<double>(m.compute_units) * tile_bytes / m.memory_bytes_per_ns;
+}
+
+// A GEMM of `flops` and `shape` on `units` compute units, each running its main loop at
+// `unit_flops_per_ns`: its tiles (each split along K when the grid cannot fill the units) in whole
+// waves, each wave its main loop and its epilogue.
+static double gemm_waves_ns(const CostModel& m, double flops, GemmShape shape, int64_t units,
+                            double unit_flops_per_ns, double epilogue) {
+  int64_t splits = 1;
+  if (shape.tiles < units && m.gemm_split_k_min > 0)
+    splits = std::max<int64_t>(1, std::min(units / shape.tiles, shape.k / m.gemm_split_k_min));
+  const int64_t pieces = shape.tiles * splits;
+  const int64_t waves = (pieces + units - 1) / units;
+  return static_cast<double>(waves) * (flops / static_cast<double>(pieces) / unit_flops_per_ns + epilogue);
+}
+
 CostModel load_model() {
   const auto p = read_parameters();
   constexpr double kGBs = 1.0;  // 1 GB/s = 1 byte/ns
@@ -100,6 +125,8 @@ CostModel load_model() {
   m.nic_bytes_per_ns = need(p, "nic_bandwidth_gbs") * need(p, "nic_efficiency") * kGBs;
   m.nic_latency_ns = need(p, "nic_latency_us") * 1e3;
   m.p2p_bytes_per_ns = link_one_way * need(p, "nccl_bus_efficiency");
+  m.gemm_epilogue_share = need(p, "gemm_epilogue_share");
+  m.gemm_split_k_min = static_cast<int64_t>(need(p, "gemm_split_k_min"));
   read_slowdowns(m);
   return m;
 }
@@ -166,7 +193,7 @@ const CostModel& cost_model() {
   return m;
 }
 
-KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, int64_t tiles, ComputeKind kind,
+KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, GemmShape gemm, ComputeKind kind,
                        bool general) {
   const CostModel& m = cost_model();
   const bool fp8 = dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2 || dtype == at::kFloat8_e4m3fnuz ||
@@ -175,16 +202,15 @@ KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, int64_
                             : kind == ComputeKind::kAttentionBackward ? m.attention_backward_efficiency
                             : fp8                                     ? m.gemm_efficiency_fp8
                                                                       : m.gemm_efficiency;
-  // The FLOPs' time on `units` compute units: a GEMM's tiles in whole waves over them, other
+  const double rate = peak_flops_per_ns(m, dtype) * efficiency;  // the whole GPU's
+  const double epilogue = gemm.tiles > 0 ? epilogue_ns(m, dtype) : 0.0;
+  // The FLOPs' time on `units` compute units: a GEMM of known shape in waves over them, other
   // work spread over them evenly.
   auto compute_on = [&](int64_t units) {
     if (flops <= 0) return 0.0;
-    double share = static_cast<double>(units) / static_cast<double>(m.compute_units);
-    if (tiles > 0) {
-      const int64_t waves = (tiles + units - 1) / units;
-      share = static_cast<double>(tiles) / static_cast<double>(waves * m.compute_units);
-    }
-    return flops / (peak_flops_per_ns(m, dtype) * efficiency * share);
+    const double unit_rate = rate / static_cast<double>(m.compute_units);
+    if (gemm.tiles > 0) return gemm_waves_ns(m, flops, gemm, units, unit_rate, epilogue);
+    return flops / (unit_rate * static_cast<double>(units));
   };
   const double compute = compute_on(m.compute_units);
   const double shared = compute_on(std::max<int64_t>(m.compute_units - m.nccl_compute_units, 1));
@@ -196,7 +222,7 @@ KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, int64_
 }
 
 KernelCost device_copy_cost(int64_t bytes, bool general) {
-  return kernel_cost(0, 2 * bytes, at::kByte, 0, ComputeKind::kGemm, general);  // read and write
+  return kernel_cost(0, 2 * bytes, at::kByte, {}, ComputeKind::kGemm, general);  // read and write
 }
 
 int64_t copy_cost_ns(int64_t bytes, bool crosses_host, bool general) {
@@ -243,21 +269,21 @@ double flop_count(const c10::OperatorHandle& op, const std::vector<c10::IValue>&
   return flops;
 }
 
-// A GEMM's output tiles: ceil(rows / tile_m) x ceil(cols / tile_n) per batch.
-static int64_t output_tiles(int64_t batch, int64_t rows, int64_t cols) {
-  const CostModel& m = cost_model();
-  return batch * ((rows + m.tile_m - 1) / m.tile_m) * ((cols + m.tile_n - 1) / m.tile_n);
-}
-
-int64_t gemm_tiles(const c10::FunctionSchema& schema, const c10::IValue* results, size_t num_results) {
-  static const std::unordered_set<std::string> gemms{"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
-                                                     "aten::_scaled_mm"};
-  if (num_results == 0 || !results[0].isTensor() || !gemms.count(schema.name())) return 0;
+GemmShape gemm_shape(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
+                     const c10::IValue* results, size_t num_results) {
+  // Each operator's first matrix operand (addmm and baddbmm take the bias first).
+  static const std::unordered_map<std::string, size_t> first_matrix{
+      {"aten::mm", 0}, {"aten::addmm", 1}, {"aten::bmm", 0}, {"aten::baddbmm", 1}, {"aten::_scaled_mm", 0}};
+  const auto found = first_matrix.find(schema.name());
+  if (found == first_matrix.end() || num_results == 0 || !results[0].isTensor() || args.size() <= found->second ||
+      !args[found->second].isTensor())
+    return {};
   const at::Tensor& out = results[0].toTensor();
-  if (out.dim() < 2) return 0;
+  const at::Tensor& a = args[found->second].toTensor();
+  if (out.dim() < 2 || a.dim() < 2) return {};
   int64_t batch = 1;
   for (int64_t d = 0; d < out.dim() - 2; ++d) batch *= out.size(d);
-  return output_tiles(batch, out.size(-2), out.size(-1));
+  return {output_tiles(cost_model(), batch, out.size(-2), out.size(-1)), a.size(-1)};
 }
 
 double causal_work(int64_t seq_q, int64_t seq_k) {
@@ -286,7 +312,7 @@ void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs
   const double counted = has_flop_formula(handle.schema()) ? flop_count(handle, args, results.data(), results.size()) : 0;
   const double flops = causal ? counted / 2 : counted;  // the model's FLOPs (MFU); the time follows the work done
   const double work = causal ? counted * causal_work(seq_q, seq_k) : counted;
-  const KernelCost cost = kernel_cost(work, bytes, first.scalar_type(), 0, kind);
+  const KernelCost cost = kernel_cost(work, bytes, first.scalar_type(), {}, kind);
   run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, handle.schema().name().c_str(), bytes, flops, &cost.beside,
                 first.scalar_type());
 }
@@ -358,14 +384,16 @@ MIRAGE_LIBRARY(m) {
         [](int64_t rows, int64_t cols, int64_t inner, c10::ScalarType dtype) -> int64_t {
           const double flops = 2.0 * rows * cols * inner;
           const int64_t bytes = (rows * inner + inner * cols + rows * cols) * static_cast<int64_t>(c10::elementSize(dtype));
-          return mirage::kernel_cost(flops, bytes, dtype, mirage::output_tiles(1, rows, cols)).ns;
+          const mirage::GemmShape shape{mirage::output_tiles(mirage::cost_model(), 1, rows, cols), inner};
+          return mirage::kernel_cost(flops, bytes, dtype, shape).ns;
         });
   // The same GEMM while a collective's kernel runs beside it for its whole length.
   m.def("clock_predict_gemm_beside_collective_ns(int m, int n, int k, ScalarType dtype) -> int",
         [](int64_t rows, int64_t cols, int64_t inner, c10::ScalarType dtype) -> int64_t {
           const double flops = 2.0 * rows * cols * inner;
           const int64_t bytes = (rows * inner + inner * cols + rows * cols) * static_cast<int64_t>(c10::elementSize(dtype));
-          return mirage::kernel_cost(flops, bytes, dtype, mirage::output_tiles(1, rows, cols)).beside.cost(0);
+          const mirage::GemmShape shape{mirage::output_tiles(mirage::cost_model(), 1, rows, cols), inner};
+          return mirage::kernel_cost(flops, bytes, dtype, shape).beside.cost(0);
         });
   // Fused attention over batch x heads x seq x head_dim: its forward (4 x b x h x s^2 x d FLOPs,
   // reading q, k, v and writing the output), or its backward (2.5 x those FLOPs, with the scores'
@@ -377,11 +405,11 @@ MIRAGE_LIBRARY(m) {
            bool backward) -> int64_t {
           const double forward = 4.0 * batch * heads * seq * seq * head_dim * (causal ? mirage::causal_work(seq, seq) : 1.0);
           const int64_t tensor = batch * heads * seq * head_dim * static_cast<int64_t>(c10::elementSize(dtype));
-          return backward ? mirage::kernel_cost(2.5 * forward, 8 * tensor, dtype, 0, mirage::ComputeKind::kAttentionBackward).ns
-                          : mirage::kernel_cost(forward, 4 * tensor, dtype, 0, mirage::ComputeKind::kAttention).ns;
+          return backward ? mirage::kernel_cost(2.5 * forward, 8 * tensor, dtype, {}, mirage::ComputeKind::kAttentionBackward).ns
+                          : mirage::kernel_cost(forward, 4 * tensor, dtype, {}, mirage::ComputeKind::kAttention).ns;
         });
   m.def("clock_predict_stream_ns(int bytes) -> int",
-        [](int64_t bytes) -> int64_t { return mirage::kernel_cost(0, bytes, c10::kByte, 0).ns; });
+        [](int64_t bytes) -> int64_t { return mirage::kernel_cost(0, bytes, c10::kByte, {}).ns; });
   m.def("clock_predict_collective_ns(int kind, int bytes, int ranks, int nodes) -> int",
         [](int64_t kind, int64_t bytes, int64_t ranks, int64_t nodes) -> int64_t {
           return mirage_collective_cost_ns(static_cast<int>(kind), bytes, static_cast<int>(ranks), static_cast<int>(nodes),
@@ -390,11 +418,16 @@ MIRAGE_LIBRARY(m) {
   // One kernel of a torch.compile'd graph (its host kernels do not pass the op path), on the
   // device's current stream: a matmul or a fused group, as mirage/runtime/inductor.py's
   // _graph_kernels estimates them at compile time from the graph inductor is handed.
-  m.def("clock_compiled_graph(int device, float flops, int bytes, ScalarType dtype) -> ()",
-        [](int64_t device, double flops, int64_t bytes, c10::ScalarType dtype) {
+  // `gemm`: a matmul's [batch, rows, cols, K] (waves, epilogues and split-K as the op path costs
+  // the same GEMM), or [] for a fused group or a shape inductor left symbolic.
+  m.def("clock_compiled_graph(int device, float flops, int bytes, ScalarType dtype, int[] gemm) -> ()",
+        [](int64_t device, double flops, int64_t bytes, c10::ScalarType dtype, std::vector<int64_t> gemm) {
           if (!mirage::timing()) return;
           const auto dev = static_cast<mirage::DeviceIndex>(device);
-          const mirage::KernelCost cost = mirage::kernel_cost(flops, bytes, dtype, 0);
+          const mirage::GemmShape shape =
+              gemm.size() == 4 ? mirage::GemmShape{mirage::output_tiles(mirage::cost_model(), gemm[0], gemm[1], gemm[2]), gemm[3]}
+                               : mirage::GemmShape{};
+          const mirage::KernelCost cost = mirage::kernel_cost(flops, bytes, dtype, shape);
           mirage::run_on_stream(dev, mirage::tl_stream[dev], cost.ns, cost.kind, mirage::kCompiledGraph, bytes, flops,
                                 &cost.beside);
         });
@@ -408,7 +441,7 @@ MIRAGE_LIBRARY(m) {
           if (--mirage::tl_kernel_depth > 0 || !mirage::timing() || kernel < 0 || kernel > 1) return;
           const auto dev = static_cast<mirage::DeviceIndex>(device);
           const mirage::KernelCost cost = mirage::kernel_cost(
-              flops, bytes, dtype, 0, kernel == 0 ? mirage::ComputeKind::kAttention : mirage::ComputeKind::kAttentionBackward);
+              flops, bytes, dtype, {}, kernel == 0 ? mirage::ComputeKind::kAttention : mirage::ComputeKind::kAttentionBackward);
           mirage::run_on_stream(dev, mirage::tl_stream[dev], cost.ns, cost.kind, names[kernel], bytes, flops,
                                 &cost.beside, dtype);
         });

@@ -2,8 +2,13 @@
 // profiled GPU. Every number comes from the profile's [timing] table (or the user's tuning
 // file), handed over by the runtime in MIRAGE_TIMING_MODEL; mirage/profiles says where each
 // comes from. The formulas:
-//   kernel      max(FLOPs / (peak(dtype) x GEMM or attention efficiency x wave quantisation),
-//                   bytes / (HBM bandwidth x memory efficiency)) + fixed kernel cost
+//   kernel      max(FLOPs / (peak(dtype) x GEMM or attention efficiency),
+//                   bytes / (HBM bandwidth x memory efficiency)) + fixed kernel cost;
+//               a GEMM of known shape: its output tiles in whole waves over the compute units,
+//               each wave its main loop (a tile's FLOPs at each unit's share of the efficiency's
+//               rate) plus an epilogue (a share of the time one wave's output tiles take to
+//               store at the HBM bandwidth), and a grid too small to fill the units split along
+//               K (cuBLAS's split-K), no split shorter than gemm_split_k_min
 //               FLOPs from torch.utils.flop_counter's formulas (matmul family, convolution,
 //               attention and their backwards); bytes: the tensors the kernel reads and writes;
 //               the memory efficiency a streaming kernel's, or, for a kernel without FLOPs whose
@@ -41,6 +46,8 @@ struct CostModel {
   double attention_backward_efficiency;  // the same for its backward kernel
   int64_t attention_block_rows;   // query rows a fused attention kernel computes together
   int64_t tile_m, tile_n, compute_units;
+  double gemm_epilogue_share;     // the part of a wave's output store not hidden behind its main loop
+  int64_t gemm_split_k_min;       // the least K one split of a split-K GEMM takes
   // The compute units a running NCCL kernel holds (one per channel): a GEMM overlapped with a
   // collective gets the rest, in more waves (profile [timing] nccl_compute_units).
   int64_t nccl_compute_units;
@@ -96,9 +103,15 @@ struct KernelTraffic {
   }
 };
 
-// `tiles`: output tiles of a GEMM (0: not a GEMM), for wave quantisation. `general`: the kernel
-// takes PyTorch's general path (KernelTraffic); only a kernel without FLOPs is slowed by it.
-KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, int64_t tiles,
+// A GEMM's shape as the cost model needs it: its output tiles (over the batch) and its K.
+// tiles == 0: not a GEMM, or one whose shape is not known (a compiled graph's matmul).
+struct GemmShape {
+  int64_t tiles = 0;
+  int64_t k = 0;
+};
+// `gemm`: the kernel's GEMM shape (waves, epilogues, split-K). `general`: the kernel takes
+// PyTorch's general path (KernelTraffic); only a kernel without FLOPs is slowed by it.
+KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, GemmShape gemm,
                        ComputeKind compute = ComputeKind::kGemm, bool general = false);
 // A copy within device memory (read and write: a memory-bound kernel). `general`: one PyTorch
 // cannot do as one memcpy or vectorized kernel (a strided side, a broadcast source).
@@ -114,8 +127,9 @@ double collective_hbm_share(int kind, int64_t bytes, int ranks, int64_t cost_ns)
 bool has_flop_formula(const c10::FunctionSchema& schema);
 double flop_count(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
                   const c10::IValue* results, size_t num_results);
-// A GEMM's output tiles (wave quantisation); 0 for other operators.
-int64_t gemm_tiles(const c10::FunctionSchema& schema, const c10::IValue* results, size_t num_results);
+// A GEMM operator's shape (its output tiles and K); {} for other operators.
+GemmShape gemm_shape(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
+                     const c10::IValue* results, size_t num_results);
 
 // The share of a full attention's work a causal fused kernel does over `seq_q` x `seq_k`: it skips
 // the blocks above the diagonal but computes whole the blocks of attention_block_rows query rows

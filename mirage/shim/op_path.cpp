@@ -137,12 +137,12 @@ static void clock_kernel(const c10::OperatorHandle& op, const OpTraits& traits, 
     }
   }
   double flops = 0;
-  int64_t tiles = 0;
+  GemmShape gemm;
   if (traits.has_flops) {
     flops = flop_count(op, arguments, results, traits.num_returns);
-    tiles = gemm_tiles(op.schema(), results, traits.num_returns);
+    gemm = gemm_shape(op.schema(), arguments, results, traits.num_returns);
   }
-  const KernelCost cost = kernel_cost(flops, traffic.bytes, dtype, tiles, ComputeKind::kGemm, traffic.general);
+  const KernelCost cost = kernel_cost(flops, traffic.bytes, dtype, gemm, ComputeKind::kGemm, traffic.general);
   const int64_t end = run_on_stream(device, tl_stream[device], cost.ns, cost.kind, op.schema().name().c_str(),
                                     traffic.bytes, flops, &cost.beside, dtype);
   if (traits.synchronizes) host_waits_for(end);
