@@ -107,6 +107,27 @@ def test_fused_attention_runs_at_the_profiles_attention_efficiencies(tmp_path):
         assert timed[key] == pytest.approx((compute_ns + m["kernel_overhead_us"] * 1e3) / 1e6, rel=1e-2), key
 
 
+def test_a_norms_backward_is_two_kernels_that_each_read_the_gradient_and_the_input():
+    """CUDA's LayerNorm and RMSNorm backward compute the input's gradient in one kernel and the
+    weight's (and bias's) in a second, which reads the output's gradient and the input again
+    (aten/src/ATen/native/cuda/layer_norm_kernel.cu); asked for the input's gradient alone, only
+    the first runs. The difference is the second kernel: those two reads, its own results, and a
+    kernel's fixed cost (on PyTorch's general path: its tensors differ in size). Under
+    --predict-only the gradients not asked for come back undefined, as on a GPU (autograd asks so
+    for a frozen norm's weight); mirage used to fail on them there (2026-12-05)."""
+    run = mirage("run", "--quiet", "--timing", "--predict-only", "--profile", "h100", "--gpus-per-node", "1", "--",
+                 sys.executable, str(WORKLOAD), "norm_backward")
+    assert run.returncode == 0, run.stderr
+    timed, m = last_json(run.stdout), model("h100")
+    general_bytes_per_ns = m["memory_bandwidth_gbs"] * m["memory_efficiency_general"]
+    n, fixed_ns = 4096, m["kernel_overhead_us"] * 1e3
+    reread = 2 * n * n * 2  # the output's gradient and the input, bf16
+    for norm, weight_results in (("layer_norm", 2), ("rms_norm", 1)):
+        second_kernel_ns = (reread + weight_results * n * 2) / general_bytes_per_ns + fixed_ns
+        difference = timed[f"{norm}_ms"] - timed[f"{norm}_input_only_ms"]
+        assert difference == pytest.approx(second_kernel_ns / 1e6, rel=1e-2), norm
+
+
 def test_an_op_that_updates_its_arguments_is_timed_for_what_it_reads_and_writes():
     """A foreach in-place add moves what the out-of-place one does (each tensor read twice, one
     written), as add_ and add do; a fused AdamW step reads parameters, gradients and both moments

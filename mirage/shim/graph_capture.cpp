@@ -152,6 +152,7 @@ bool run_on_meta(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool c
   for (size_t i = 0; i < num_returns; ++i) {
     c10::IValue& iv = (*stack)[ret_base + i];
     const at::Tensor m = iv.toTensor();
+    if (!m.defined()) continue;  // a result the op was told not to compute (a norm's weight gradient)
     at::Tensor result;
     for (auto& [meta, device] : metas) {
       if (meta.unsafeGetTensorImpl() != m.unsafeGetTensorImpl()) continue;

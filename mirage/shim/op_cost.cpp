@@ -194,7 +194,7 @@ const CostModel& cost_model() {
 }
 
 KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, GemmShape gemm, ComputeKind kind,
-                       bool general) {
+                       bool general, int kernels) {
   const CostModel& m = cost_model();
   const bool fp8 = dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2 || dtype == at::kFloat8_e4m3fnuz ||
                    dtype == at::kFloat8_e5m2fnuz;
@@ -216,9 +216,24 @@ KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, GemmSh
   const double shared = compute_on(std::max<int64_t>(m.compute_units - m.nccl_compute_units, 1));
   const double memory =
       static_cast<double>(bytes) / (general && flops <= 0 ? m.general_bytes_per_ns : m.memory_bytes_per_ns);
-  const double ns = std::max(compute, memory) + m.kernel_fixed_ns;
+  const double fixed = m.kernel_fixed_ns * kernels;
+  const double ns = std::max(compute, memory) + fixed;
   return {static_cast<int64_t>(std::llround(ns)), flops > 0 && compute >= memory ? WorkKind::kCompute : WorkKind::kMemory,
-          Beside{shared, memory, m.kernel_fixed_ns}};
+          Beside{shared, memory, fixed}};
+}
+
+FurtherKernels further_kernels(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
+                               const c10::IValue* results, size_t num_results) {
+  static const std::unordered_set<std::string> norm_backwards{"aten::native_layer_norm_backward",
+                                                              "aten::_fused_rms_norm_backward"};
+  if (!norm_backwards.count(schema.name()) || args.size() < 2 || !args[0].isTensor() || !args[1].isTensor()) return {};
+  bool weight_gradient = false;  // the second kernel runs for the weight's or the bias's gradient
+  for (size_t i = 1; i < num_results; ++i)
+    weight_gradient = weight_gradient || (results[i].isTensor() && results[i].toTensor().defined());
+  if (!weight_gradient) return {};
+  const at::Tensor& grad_out = args[0].toTensor();
+  const at::Tensor& input = args[1].toTensor();
+  return {static_cast<int64_t>(grad_out.numel() * grad_out.itemsize() + input.numel() * input.itemsize()), 1};
 }
 
 KernelCost device_copy_cost(int64_t bytes, bool general) {

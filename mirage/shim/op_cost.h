@@ -111,8 +111,21 @@ struct GemmShape {
 };
 // `gemm`: the kernel's GEMM shape (waves, epilogues, split-K). `general`: the kernel takes
 // PyTorch's general path (KernelTraffic); only a kernel without FLOPs is slowed by it.
+// `kernels`: how many kernels the operator launches back to back (each pays the fixed cost).
 KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, GemmShape gemm,
-                       ComputeKind compute = ComputeKind::kGemm, bool general = false);
+                       ComputeKind compute = ComputeKind::kGemm, bool general = false, int kernels = 1);
+
+// An operator whose CUDA implementation is more than one kernel over the same tensors: what its
+// further kernels read again, and how many there are. LayerNorm's and RMSNorm's backward
+// (aten/src/ATen/native/cuda/layer_norm_kernel.cu, LayerNormBackwardKernelImplInternal) compute
+// the input's gradient in one kernel and the weight's (and bias's) in another, and each reads the
+// output's gradient and the input.
+struct FurtherKernels {
+  int64_t bytes = 0;
+  int kernels = 0;
+};
+FurtherKernels further_kernels(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
+                               const c10::IValue* results, size_t num_results);
 // A copy within device memory (read and write: a memory-bound kernel). `general`: one PyTorch
 // cannot do as one memcpy or vectorized kernel (a strided side, a broadcast source).
 KernelCost device_copy_cost(int64_t bytes, bool general = false);

@@ -142,7 +142,10 @@ static void clock_kernel(const c10::OperatorHandle& op, const OpTraits& traits, 
     flops = flop_count(op, arguments, results, traits.num_returns);
     gemm = gemm_shape(op.schema(), arguments, results, traits.num_returns);
   }
-  const KernelCost cost = kernel_cost(flops, traffic.bytes, dtype, gemm, ComputeKind::kGemm, traffic.general);
+  const FurtherKernels further = further_kernels(op.schema(), arguments, results, traits.num_returns);
+  traffic.bytes += further.bytes;
+  const KernelCost cost =
+      kernel_cost(flops, traffic.bytes, dtype, gemm, ComputeKind::kGemm, traffic.general, 1 + further.kernels);
   const int64_t end = run_on_stream(device, tl_stream[device], cost.ns, cost.kind, op.schema().name().c_str(),
                                     traffic.bytes, flops, &cost.beside, dtype);
   if (traits.synchronizes) host_waits_for(end);

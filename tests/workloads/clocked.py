@@ -115,6 +115,24 @@ def general() -> None:
     }))
 
 
+def norm_backward() -> None:
+    """LayerNorm's and RMSNorm's backward over a 4096 x 4096 bf16 input, with the weight's (and
+    bias's) gradient and without it."""
+    n = 4096
+    x, grad = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    weight, bias = torch.ones(n, device="cuda", dtype=torch.bfloat16), torch.zeros(n, device="cuda", dtype=torch.bfloat16)
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [n], weight, bias, 1e-5)
+    _, rms_rstd = torch.ops.aten._fused_rms_norm(x, [n], weight, 1e-5)
+    layer = torch.ops.aten.native_layer_norm_backward
+    rms = torch.ops.aten._fused_rms_norm_backward
+    print(json.dumps({
+        "layer_norm_ms": timed(lambda: layer(grad, x, [n], mean, rstd, weight, bias, [True, True, True])),
+        "layer_norm_input_only_ms": timed(lambda: layer(grad, x, [n], mean, rstd, weight, bias, [True, False, False])),
+        "rms_norm_ms": timed(lambda: rms(grad, x, [n], rms_rstd, weight, [True, True])),
+        "rms_norm_input_only_ms": timed(lambda: rms(grad, x, [n], rms_rstd, weight, [True, False])),
+    }))
+
+
 def two_ranks():
     """The NCCL group of two ranks, a GEMM operand and a buffer, both ranks' clocks joined by a
     first all_reduce."""
@@ -350,4 +368,4 @@ def compiled_kernels() -> None:
     print(json.dumps(times))
 
 
-{"gemm": gemm, "compiled": compiled, "compiled_kernels": compiled_kernels, "attention": attention, "flex": flex, "inplace": inplace, "general": general, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
+{"gemm": gemm, "compiled": compiled, "compiled_kernels": compiled_kernels, "attention": attention, "flex": flex, "inplace": inplace, "general": general, "norm_backward": norm_backward, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
