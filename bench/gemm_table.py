@@ -20,6 +20,7 @@ at least one wave (the sizes a training step's GEMMs have) and over those that d
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import re
 import statistics
@@ -51,13 +52,17 @@ def read_table(text: str) -> dict[str, list[dict]]:
     return {key: entries for key, entries in gpus.items() if entries}
 
 
+@functools.cache
+def tiling(profile: str) -> tuple[int, int, int]:
+    """The profile's GEMM tile (rows, columns) and its compute units."""
+    data = tomllib.loads((PROFILES / f"{profile}.toml").read_text())
+    return data["timing"]["gemm_tile_m"]["value"], data["timing"]["gemm_tile_n"]["value"], data["compute_units"]
+
+
 def fills_a_wave(profile: str, shape: dict) -> bool:
     """Whether the GEMM's output tiles (the profile's tile) number at least its compute units."""
-    data = tomllib.loads((PROFILES / f"{profile}.toml").read_text())
-    timing = data["timing"]
-    tiles = (shape["batch"] * math.ceil(shape["m"] / timing["gemm_tile_m"]["value"])
-             * math.ceil(shape["n"] / timing["gemm_tile_n"]["value"]))
-    return tiles >= data["compute_units"]
+    tile_m, tile_n, units = tiling(profile)
+    return shape["batch"] * math.ceil(shape["m"] / tile_m) * math.ceil(shape["n"] / tile_n) >= units
 
 
 def summary(errors: list[float]) -> str:
