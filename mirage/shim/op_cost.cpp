@@ -222,11 +222,14 @@ KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, GemmSh
           Beside{shared, memory, fixed}};
 }
 
-FurtherKernels further_kernels(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
-                               const c10::IValue* results, size_t num_results) {
+bool has_further_kernels(const c10::FunctionSchema& schema) {
   static const std::unordered_set<std::string> norm_backwards{"aten::native_layer_norm_backward",
                                                               "aten::_fused_rms_norm_backward"};
-  if (!norm_backwards.count(schema.name()) || args.size() < 2 || !args[0].isTensor() || !args[1].isTensor()) return {};
+  return norm_backwards.count(schema.name()) != 0;
+}
+
+FurtherKernels further_kernels(const std::vector<c10::IValue>& args, const c10::IValue* results, size_t num_results) {
+  if (args.size() < 2 || !args[0].isTensor() || !args[1].isTensor()) return {};
   bool weight_gradient = false;  // the second kernel runs for the weight's or the bias's gradient
   for (size_t i = 1; i < num_results; ++i)
     weight_gradient = weight_gradient || (results[i].isTensor() && results[i].toTensor().defined());

@@ -124,8 +124,10 @@ struct FurtherKernels {
   int64_t bytes = 0;
   int kernels = 0;
 };
-FurtherKernels further_kernels(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
-                               const c10::IValue* results, size_t num_results);
+// Whether `schema` is such an operator (read once per operator: the op path keeps it in its traits).
+bool has_further_kernels(const c10::FunctionSchema& schema);
+// Its further kernels for one call (none when the call asks for no weight or bias gradient).
+FurtherKernels further_kernels(const std::vector<c10::IValue>& args, const c10::IValue* results, size_t num_results);
 // A copy within device memory (read and write: a memory-bound kernel). `general`: one PyTorch
 // cannot do as one memcpy or vectorized kernel (a strided side, a broadcast source).
 KernelCost device_copy_cost(int64_t bytes, bool general = false);

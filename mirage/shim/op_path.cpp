@@ -60,6 +60,7 @@ struct OpTraits {
   bool is_mutable = false;
   bool returns_view = false;   // its result aliases an argument (no kernel on a GPU)
   bool has_flops = false;      // torch.utils.flop_counter has its formula (clocked mode)
+  bool has_further_kernels = false;  // its CUDA implementation is several kernels (clocked mode, op_cost.h)
   bool synchronizes = false;   // a GPU's host waits for it (.item(), nonzero's output size)
   c10::SmallVector<uint32_t, 2> generator_args;  // Generator? arguments, which the CPU kernel must get
   // Arguments it writes that no result returns (a foreach_*_ op, a fused optimizer step: they
@@ -77,7 +78,7 @@ static const OpTraits& traits_of(const c10::FunctionSchema& schema) {
   const auto& args = schema.arguments();
   if (traits.arguments != args.data() || traits.num_args != args.size()) {
     traits = OpTraits{args.data(), static_cast<uint32_t>(args.size()),
-                      static_cast<uint32_t>(schema.returns().size()), schema.is_mutable(), false, false, false, {}};
+                      static_cast<uint32_t>(schema.returns().size()), schema.is_mutable(), false, false, false, false, {}};
     for (uint32_t i = 0; i < args.size(); ++i) {
       const auto& type = args[i].type();
       if (type->kind() == c10::TypeKind::OptionalType &&
@@ -96,7 +97,10 @@ static const OpTraits& traits_of(const c10::FunctionSchema& schema) {
         "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique_dim",
         "aten::_unique2", "aten::unique_consecutive", "aten::equal", "aten::is_nonzero"};
     traits.synchronizes = synchronizing.count(schema.name()) != 0;
-    if (timing()) traits.has_flops = has_flop_formula(schema);
+    if (timing()) {
+      traits.has_flops = has_flop_formula(schema);
+      traits.has_further_kernels = has_further_kernels(schema);
+    }
   }
   return traits;
 }
@@ -142,7 +146,8 @@ static void clock_kernel(const c10::OperatorHandle& op, const OpTraits& traits, 
     flops = flop_count(op, arguments, results, traits.num_returns);
     gemm = gemm_shape(op.schema(), arguments, results, traits.num_returns);
   }
-  const FurtherKernels further = further_kernels(op.schema(), arguments, results, traits.num_returns);
+  const FurtherKernels further =
+      traits.has_further_kernels ? further_kernels(arguments, results, traits.num_returns) : FurtherKernels{};
   traffic.bytes += further.bytes;
   const KernelCost cost =
       kernel_cost(flops, traffic.bytes, dtype, gemm, ComputeKind::kGemm, traffic.general, 1 + further.kernels);
