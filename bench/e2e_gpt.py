@@ -6,8 +6,9 @@ published runs configure it (bench/validate.py's end-to-end cases run this under
 
 A nanoGPT-shaped transformer (pre-LayerNorm blocks, causal scaled_dot_product_attention, GELU
 MLP of 4x, tied embeddings; MPT's shapes with --dim/--layers/--heads/--vocab), bf16 autocast,
-AdamW, DDP over NCCL or (--fsdp) FSDP2 as llm-foundry's MPT runs shard, with Composer's mixed
-precision modes (--mp DEFAULT: bf16 parameters, fp32 gradient reductions, as llm-foundry's
+AdamW, DDP over NCCL, FSDP1 as Composer configured it for llm-foundry's MPT runs (--fsdp1:
+flat parameters, BACKWARD_POST prefetch, limit_all_gathers) or FSDP2 (--fsdp), with Composer's
+mixed precision modes (--mp DEFAULT: bf16 parameters, fp32 gradient reductions, as llm-foundry's
 benchmarking table ran; PURE: bf16 both). Prints one JSON line from rank 0: the median step time
 its own CUDA events measured and the tokens per second per GPU.
 
@@ -78,17 +79,41 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64, help="sequences per GPU per micro-step")
     ap.add_argument("--accumulate", type=int, default=1, help="micro-steps per optimizer step")
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--fsdp", action="store_true",
-                    help="FSDP2 FULL_SHARD per block, initialised on the meta device as llm-foundry does; "
-                         "default DDP")
+    sharding = ap.add_mutually_exclusive_group()  # neither: DDP
+    sharding.add_argument("--fsdp", action="store_true",
+                          help="FSDP2 (fully_shard) per block, initialised on the meta device")
+    sharding.add_argument("--fsdp1", action="store_true",
+                          help="FSDP1 (FullyShardedDataParallel) as Composer configured it for llm-foundry's "
+                               "runs: FULL_SHARD per block, flat parameters, BACKWARD_POST prefetch (Composer's "
+                               "default), limit_all_gathers (the MPT yamls'), initialised from the meta device")
     ap.add_argument("--mp", choices=("DEFAULT", "PURE"), default="DEFAULT",
-                    help="with --fsdp, Composer's mixed precision: DEFAULT = bf16 parameters, fp32 "
+                    help="with --fsdp or --fsdp1, Composer's mixed precision: DEFAULT = bf16 parameters, fp32 "
                          "reductions; PURE = bf16 parameters and reductions")
     args = ap.parse_args()
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if args.fsdp:
+    if args.fsdp1:
+        from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        with torch.device("meta"):
+            model = GPT(args.layers, args.dim, args.heads, args.vocab, args.seq)
+        reduce_dtype = torch.float32 if args.mp == "DEFAULT" else torch.bfloat16
+        precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype, buffer_dtype=torch.bfloat16)
+
+        def materialize(module: nn.Module) -> None:  # each rank its own values, as llm-foundry's param_init_fn
+            module.to_empty(device=torch.device("cuda"), recurse=False)
+            with torch.no_grad():
+                for p in module.parameters(recurse=False):
+                    p.normal_(std=0.02)
+
+        model = FSDP(model, sharding_strategy=ShardingStrategy.FULL_SHARD, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                     mixed_precision=precision, backward_prefetch=BackwardPrefetch.BACKWARD_POST,
+                     limit_all_gathers=True, device_id=torch.cuda.current_device(), param_init_fn=materialize)
+        ddp = model
+    elif args.fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         with torch.device("meta"):
@@ -115,7 +140,7 @@ def main() -> None:
         for micro in range(args.accumulate):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = ddp(idx, idx) / args.accumulate
-            if micro < args.accumulate - 1 and not args.fsdp:
+            if micro < args.accumulate - 1 and not (args.fsdp or args.fsdp1):
                 with ddp.no_sync():
                     loss.backward()
             else:
