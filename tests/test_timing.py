@@ -327,6 +327,23 @@ def test_a_compiled_graphs_matmul_and_fused_kernels_run_one_after_another():
     assert t["eager_mm_sin_cos_ms"] > t["compiled_mm_sin_cos_ms"] * 1.05
 
 
+def test_a_compiled_graphs_reductions_over_different_ranges_are_kernels_that_each_read_the_inputs():
+    """Inductor fuses reductions into one kernel only over the same ranges (SIMDScheduling.can_fuse
+    compares (numel, rnumel)): two sums over the rows of g * x and g + x are one kernel reading g
+    and x once; a sum over the rows and one over the columns (a norm backward's input and weight
+    gradients) are two kernels, each reading both. The difference is that second read, less the
+    second result's smaller size."""
+    run = mirage("run", "--quiet", "--timing", "--profile", "h100", "--gpus-per-node", "1", "--",
+                 sys.executable, str(WORKLOAD), "compiled_reductions")
+    assert run.returncode == 0, run.stderr
+    timed, m = last_json(run.stdout), model("h100")
+    bytes_per_ns = m["memory_bandwidth_gbs"] * m["memory_efficiency"]
+    rows, cols = 8192, 2048
+    second_read, results = 2 * rows * cols * 2, (rows + cols - 2 * rows) * 2  # bf16
+    difference = timed["rows_and_columns_ms"] - timed["same_ranges_ms"]
+    assert difference == pytest.approx((second_read + results) / bytes_per_ns / 1e6, rel=1e-2)
+
+
 def test_predict_only_collectives_move_no_payload_and_take_the_full_runs_time():
     """--predict-only: a collective's ranks meet and agree on the clock, but its floating-point
     payload (data no kernel computed) does not move (README: an output keeps what it held, which

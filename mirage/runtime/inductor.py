@@ -274,6 +274,48 @@ def _gemm_shape(packet: Any, tensors: list, out: Any, torch: ModuleType) -> list
         return []
 
 
+@functools.cache
+def _reduction_ops(torch: ModuleType) -> tuple[frozenset, dict]:
+    """The operators that reduce their first argument, and those that reduce along a dim while
+    keeping its shape (softmax and its backward: the dim argument's place)."""
+    aten, prims = torch.ops.aten, torch.ops.prims
+    reducing = frozenset({aten.sum, aten.mean, aten.amax, aten.amin, aten.max, aten.min, aten.var, aten.var_mean,
+                          aten.std, aten.prod, aten.any, aten.all, aten.argmax, aten.argmin, aten.logsumexp,
+                          aten.linalg_vector_norm, aten.norm, prims.sum, prims.amax, prims.amin, prims.var,
+                          prims.prod})
+    along_dim = {aten._softmax: 1, aten._log_softmax: 1, aten._softmax_backward_data: 2,
+                 aten._log_softmax_backward_data: 2}
+    return reducing, along_dim
+
+
+def _reduction_ranges(node: Any, torch: ModuleType) -> tuple[int, int] | None:
+    """A reduction node's (outputs, elements reduced into each) as inductor schedules it, or None
+    for a node that reduces nothing. Inductor fuses nodes into one kernel only over the same
+    ranges (SIMDScheduling.can_fuse compares (numel, rnumel)), so two reductions of different
+    ranges in one connected group are two kernels: a norm's backward sums its input's gradient
+    over each row and its weight's over the rows, and each of those kernels reads the gradient
+    and the input."""
+    reducing, along_dim = _reduction_ops(torch)
+    packet = getattr(node.target, "overloadpacket", None)
+    first = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    if not isinstance(first, torch.Tensor):
+        return None
+    try:
+        elements = int(first.numel())
+        if packet in along_dim:
+            dim = node.args[along_dim[packet]]
+            size = int(first.shape[dim])
+            return (elements // size, size) if size > 1 else None
+        if packet in reducing:
+            out = node.meta.get("val")
+            out = out[0] if isinstance(out, (tuple, list)) else out
+            outputs = int(out.numel()) if isinstance(out, torch.Tensor) else 1
+            return (outputs, elements // max(outputs, 1)) if elements > outputs else None
+    except (TypeError, ValueError, RuntimeError, IndexError):  # a symbolic size without a hint
+        return None
+    return None
+
+
 def _graph_kernels(gm: Any, torch: ModuleType) -> list[tuple[float, int, Any, list[int]]]:
     """Clocked mode's estimate of a compiled graph: the kernels inductor makes of it, which run one
     after another on the stream. Each matmul-family node (flop_counter's formulas) is a kernel of
@@ -283,8 +325,10 @@ def _graph_kernels(gm: Any, torch: ModuleType) -> list[tuple[float, int, Any, li
     matmul, a device operator or the graph's output); what stays inside stays in registers, and
     views move nothing. Nodes on either side of a matmul cannot share a kernel: a node's stage is
     the count of matmuls and device operators on the longest path to it, and a group is of one
-    stage. Device operators (mirage_host's twins: fused attention) and collectives
-    are timed where they run. Returns each kernel's (FLOPs, bytes, dtype), in the graph's order."""
+    stage. A group holding reductions over different ranges is that many kernels, each reading
+    what flows into the group (_reduction_ranges). Device operators (mirage_host's twins: fused
+    attention) and collectives are timed where they run. Returns each kernel's (FLOPs, bytes,
+    dtype), in the graph's order."""
     import operator
 
     from torch.utils.flop_counter import flop_registry
@@ -375,14 +419,21 @@ def _graph_kernels(gm: Any, torch: ModuleType) -> list[tuple[float, int, Any, li
             if producer is not None and producer is not consumer:
                 writes.setdefault(producer, set()).add(source)
     fused_costs: dict[Any, list] = {}
+    ranges: dict[Any, set] = {}  # a fused group -> the distinct ranges of its reductions (_reduction_ranges)
     for node in gm.graph.nodes:
         if kind.get(node) == "fused" and base.get(node) is node:
             root = find(node)
             if root not in fused_costs:
                 fused_costs[root] = [0.0, 0, val(node).dtype if isinstance(val(node), torch.Tensor) else torch.float32, []]
                 kernels.append((node, fused_costs[root]))
+            reduced = _reduction_ranges(node, torch)
+            if reduced is not None:
+                ranges.setdefault(root, set()).add(reduced)
     for root, cost in fused_costs.items():
-        cost[1] = sum(size(val(t)) for t in reads.get(root, ())) + sum(size(val(t)) for t in writes.get(root, ()))
+        # A group with reductions of n different ranges is n kernels, each reading the group's inputs.
+        passes = max(1, len(ranges.get(root, ())))
+        cost[1] = (passes * sum(size(val(t)) for t in reads.get(root, ()))
+                   + sum(size(val(t)) for t in writes.get(root, ())))
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     kernels.sort(key=lambda k: order[k[0]])
     return [tuple(cost) for _, cost in kernels if cost[0] or cost[1]]

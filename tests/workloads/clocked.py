@@ -368,4 +368,28 @@ def compiled_kernels() -> None:
     print(json.dumps(times))
 
 
-{"gemm": gemm, "compiled": compiled, "compiled_kernels": compiled_kernels, "attention": attention, "flex": flex, "inplace": inplace, "general": general, "norm_backward": norm_backward, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
+def compiled_reductions() -> None:
+    """Two sums of one 8192 x 2048 product, compiled: both over the rows (reductions of the same
+    ranges, which inductor fuses into one kernel), or one over the rows and one over the columns
+    (a norm backward's input and weight gradients: two kernels), each timed with events."""
+    g, x = (torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def same_ranges(g: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        product = g * x
+        return product.sum(1), (product * product).sum(1)
+
+    def rows_and_columns(g: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        product = g * x
+        return product.sum(1), (product * product).sum(0)
+
+    functions = {"same_ranges": same_ranges, "rows_and_columns": rows_and_columns}
+    times = {}
+    for name, f in functions.items():
+        compiled = torch.compile(f)
+        compiled(g, x)
+        torch.cuda.synchronize()
+        times[f"{name}_ms"] = timed(lambda: compiled(g, x))
+    print(json.dumps(times))
+
+
+{"gemm": gemm, "compiled": compiled, "compiled_kernels": compiled_kernels, "compiled_reductions": compiled_reductions, "attention": attention, "flex": flex, "inplace": inplace, "general": general, "norm_backward": norm_backward, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
