@@ -350,7 +350,10 @@ def compiled() -> None:
 
 def compiled_kernels() -> None:
     """A matmul and the elementwise work after it, eager and compiled (inductor fuses the
-    elementwise ops into one kernel after the matmul), each timed with events."""
+    elementwise ops into one kernel after the matmul); and two sums of one 8192 x 2048 product,
+    compiled: both over the rows (reductions of the same ranges, which inductor fuses into one
+    kernel), or one over the rows and one over the columns (a norm backward's input and weight
+    gradients: two kernels). Each timed with events."""
     x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     functions = {"mm_sin": lambda x, w: (x @ w).sin(), "mm_sin_cos": lambda x, w: (x @ w).sin().cos()}
@@ -359,20 +362,7 @@ def compiled_kernels() -> None:
         for how, run in (("eager", f), ("compiled", torch.compile(f))):
             run(x, w)
             torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run(x, w)
-            end.record()
-            torch.cuda.synchronize()
-            times[f"{how}_{name}_ms"] = start.elapsed_time(end)
-    print(json.dumps(times))
-
-
-def compiled_reductions() -> None:
-    """Two sums of one 8192 x 2048 product, compiled: both over the rows (reductions of the same
-    ranges, which inductor fuses into one kernel), or one over the rows and one over the columns
-    (a norm backward's input and weight gradients: two kernels), each timed with events."""
-    g, x = (torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            times[f"{how}_{name}_ms"] = timed(lambda: run(x, w))
 
     def same_ranges(g: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         product = g * x
@@ -382,9 +372,8 @@ def compiled_reductions() -> None:
         product = g * x
         return product.sum(1), (product * product).sum(0)
 
-    functions = {"same_ranges": same_ranges, "rows_and_columns": rows_and_columns}
-    times = {}
-    for name, f in functions.items():
+    g, x = (torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for name, f in (("same_ranges", same_ranges), ("rows_and_columns", rows_and_columns)):
         compiled = torch.compile(f)
         compiled(g, x)
         torch.cuda.synchronize()
@@ -392,4 +381,4 @@ def compiled_reductions() -> None:
     print(json.dumps(times))
 
 
-{"gemm": gemm, "compiled": compiled, "compiled_kernels": compiled_kernels, "compiled_reductions": compiled_reductions, "attention": attention, "flex": flex, "inplace": inplace, "general": general, "norm_backward": norm_backward, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
+{"gemm": gemm, "compiled": compiled, "compiled_kernels": compiled_kernels, "attention": attention, "flex": flex, "inplace": inplace, "general": general, "norm_backward": norm_backward, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
