@@ -292,9 +292,8 @@ def _reduction_ranges(node: Any, torch: ModuleType) -> tuple[int, int] | None:
     """A reduction node's (outputs, elements reduced into each) as inductor schedules it, or None
     for a node that reduces nothing. Inductor fuses nodes into one kernel only over the same
     ranges (SIMDScheduling.can_fuse compares (numel, rnumel)), so two reductions of different
-    ranges in one connected group are two kernels: a norm's backward sums its input's gradient
-    over each row and its weight's over the rows, and each of those kernels reads the gradient
-    and the input."""
+    ranges in one connected group are two kernels, each reading the group's inputs, unless its
+    mix-order reduction takes them (_reduction_passes)."""
     reducing, along_dim = _reduction_ops(torch)
     packet = getattr(node.target, "overloadpacket", None)
     first = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], torch.fx.Node) else None
@@ -316,6 +315,29 @@ def _reduction_ranges(node: Any, torch: ModuleType) -> tuple[int, int] | None:
     return None
 
 
+def _reduction_passes(ranges: set, torch: ModuleType) -> int:
+    """The kernels a fused group's reductions make: one per distinct range (_reduction_ranges),
+    except that a reduction over the rows and one over the columns of the same input are one
+    kernel where inductor's mix-order reduction takes them (config.triton.mix_order_reduction, on
+    by default in torch 2.13; MixOrderReduction.can_fuse: at least 5 x 2^20 elements, at least
+    twice as many rows as columns and 4096 rows, at most 16384 columns, the size checks skipped
+    in its non-strict mode). A norm's backward over a training step's tokens is such a pair. Its
+    other conditions (sibling sums over contiguous loads) are taken to hold."""
+    from torch._inductor import config
+
+    mix_order, non_strict = config.triton.mix_order_reduction, config.triton.mix_order_reduction_non_strict_mode
+    remaining, passes = set(ranges), 0
+    while remaining:
+        numel, rnumel = remaining.pop()
+        passes += 1
+        if mix_order and (rnumel, numel) in remaining:
+            rows, columns = max(numel, rnumel), min(numel, rnumel)
+            if columns <= 16384 and (non_strict or (rows * columns >= 5 * 2**20 and rows >= 2 * columns
+                                                    and rows >= 4096)):
+                remaining.discard((rnumel, numel))
+    return max(passes, 1)
+
+
 def _graph_kernels(gm: Any, torch: ModuleType) -> list[tuple[float, int, Any, list[int]]]:
     """Clocked mode's estimate of a compiled graph: the kernels inductor makes of it, which run one
     after another on the stream. Each matmul-family node (flop_counter's formulas) is a kernel of
@@ -326,7 +348,8 @@ def _graph_kernels(gm: Any, torch: ModuleType) -> list[tuple[float, int, Any, li
     views move nothing. Nodes on either side of a matmul cannot share a kernel: a node's stage is
     the count of matmuls and device operators on the longest path to it, and a group is of one
     stage. A group holding reductions over different ranges is that many kernels, each reading
-    what flows into the group (_reduction_ranges). Device operators (mirage_host's twins: fused
+    what flows into the group, unless inductor's mix-order reduction fuses a row and a column
+    reduction (_reduction_passes). Device operators (mirage_host's twins: fused
     attention) and collectives are timed where they run. Returns each kernel's (FLOPs, bytes,
     dtype), in the graph's order."""
     import operator
@@ -430,8 +453,8 @@ def _graph_kernels(gm: Any, torch: ModuleType) -> list[tuple[float, int, Any, li
             if reduced is not None:
                 ranges.setdefault(root, set()).add(reduced)
     for root, cost in fused_costs.items():
-        # A group with reductions of n different ranges is n kernels, each reading the group's inputs.
-        passes = max(1, len(ranges.get(root, ())))
+        # A group whose reductions make n kernels (_reduction_passes) reads its inputs n times.
+        passes = _reduction_passes(ranges.get(root, set()), torch)
         cost[1] = (passes * sum(size(val(t)) for t in reads.get(root, ()))
                    + sum(size(val(t)) for t in writes.get(root, ())))
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
