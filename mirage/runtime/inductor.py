@@ -323,8 +323,7 @@ def _reduction_passes(ranges: set, torch: ModuleType) -> int:
     twice as many rows as columns and 4096 rows, at most 16384 columns, the size checks skipped
     in its non-strict mode). A norm's backward over a training step's tokens is such a pair. Its
     other conditions (sibling sums over contiguous loads) are taken to hold."""
-    from torch._inductor import config
-
+    config = torch._inductor.config
     mix_order, non_strict = config.triton.mix_order_reduction, config.triton.mix_order_reduction_non_strict_mode
     remaining, passes = set(ranges), 0
     while remaining:
