@@ -129,6 +129,37 @@ def test_a_norms_backward_is_two_kernels_that_each_read_the_gradient_and_the_inp
         assert difference == pytest.approx(second_kernel_ns / 1e6, rel=1e-2), norm
 
 
+def test_kernels_a_gpu_fuses_are_one_kernel_and_a_beta_zero_gemm_does_not_read_its_input():
+    """CUDA's dropout is one kernel (fused_dropout_kernel: it reads the input and writes the output
+    and a bool mask), which mirage computes as a Bernoulli draw and two multiplies: it was timed as
+    those three kernels and a mask conversion, 17 bytes per bf16 element instead of 5 (found
+    2026-12-06 on Megatron's attention dropout, 3.4x its time). Megatron's fused causal softmax,
+    as bench/megatron_extensions stands in for its CUDA extension, is one kernel that reads each
+    row's unmasked prefix and writes the whole row (its backward reads two such prefixes), and
+    computes what PyTorch's softmax does. A baddbmm with beta=0 (Megatron's attention scores,
+    into an empty buffer) does not read `self`: cuBLAS reads C only when beta is not 0."""
+    run = mirage("run", "--quiet", "--timing", "--profile", "h100", "--gpus-per-node", "1", "--",
+                 sys.executable, str(WORKLOAD), "fused")
+    assert run.returncode == 0, run.stderr
+    timed, m = last_json(run.stdout), model("h100")
+    bytes_per_ns, fixed_ns = m["memory_bandwidth_gbs"] * m["memory_efficiency"], m["kernel_overhead_us"] * 1e3
+
+    def ms(moved: float) -> float:
+        return (moved / bytes_per_ns + fixed_ns) / 1e6
+
+    elements = 4096 * 4096
+    assert timed["dropout_ms"] == pytest.approx(ms(elements * (2 + 2 + 1)), rel=1e-3)
+    assert timed["dropout_mask_dtype"] == "torch.bool" and timed["dropout_matches_mask"]
+    assert 0.74 < timed["dropout_kept"] < 0.76
+    scores = 64 * 512 * 512 * 2
+    prefix = 513 / 1024  # row i of 512 reads i + 1 elements
+    assert timed["softmax_forward_ms"] == pytest.approx(ms(scores * (prefix + 1)), rel=1e-3)
+    assert timed["softmax_backward_ms"] == pytest.approx(ms(scores * (2 * prefix + 1)), rel=1e-3)
+    assert timed["softmax_forward_error"] < 1e-3 and timed["softmax_backward_error"] < 1e-2
+    unread = 16 * 1024 * 1024 * 2
+    assert timed["baddbmm_beta1_ms"] - timed["baddbmm_beta0_ms"] == pytest.approx(unread / bytes_per_ns / 1e6, rel=1e-2)
+
+
 def test_an_op_that_updates_its_arguments_is_timed_for_what_it_reads_and_writes():
     """A foreach in-place add moves what the out-of-place one does (each tensor read twice, one
     written), as add_ and add do; a fused AdamW step reads parameters, gradients and both moments

@@ -162,15 +162,26 @@ static at::Tensor& set_empty(at::Tensor& self) {
   return self;
 }
 
-// Bernoulli dropout with the device's own generator (the CPU kernel would draw from the CPU's).
+// Bernoulli dropout with the device's own generator (the CPU kernel would draw from the CPU's),
+// one kernel as CUDA's (aten/src/ATen/native/cuda/Dropout.cu, fused_dropout_kernel: it reads the
+// input and writes the output and the bool mask): the ops that compute it are not timed alone.
 static std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, double p, std::optional<bool> train) {
   if (input.numel() == 0 || (train.has_value() && !*train) || p == 0) {
     return {input.clone(), at::ones_like(input, input.options().dtype(at::kBool))};
   }
   if (p == 1) return {at::zeros_like(input), at::zeros_like(input, input.options().dtype(at::kBool))};
-  at::Tensor mask = at::empty_like(input).bernoulli_(1 - p, default_generator(input.device().index()));
+  const DeviceIndex dev = input.device().index();
+  KernelScope kernel;
+  const HostTimedFusedKernel profiled(kernel, "aten::native_dropout", dev, input.scalar_type());
+  at::Tensor mask = at::empty_like(input, input.options().dtype(at::kBool)).bernoulli_(1 - p, default_generator(dev));
   at::Tensor out = input.mul(mask).mul_(1.0 / (1 - p));
-  return {out, mask.to(at::kBool)};
+  if (timing() && kernel.outermost) {
+    const int64_t bytes = static_cast<int64_t>(2 * input.numel() * input.itemsize() + mask.numel());
+    const KernelCost cost = kernel_cost(0, bytes, input.scalar_type(), {});
+    run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, "aten::native_dropout", bytes, 0, &cost.beside,
+                  input.scalar_type());
+  }
+  return {out, mask};
 }
 
 static bool no_cudnn_ctc_loss(const at::Tensor&, const at::Tensor&, c10::IntArrayRef, c10::IntArrayRef, int64_t) {

@@ -463,6 +463,24 @@ MIRAGE_LIBRARY(m) {
           mirage::run_on_stream(dev, mirage::tl_stream[dev], cost.ns, cost.kind, names[kernel], bytes, flops,
                                 &cost.beside, dtype);
         });
+  // The same for a kernel of an extension mirage's workloads provide as many ops (a stand-in
+  // for a compiled CUDA extension, such as Megatron's fused softmax), named in traces as `name`:
+  // its FLOPs at the GEMM rate, its bytes at the memory rate, whichever is longer.
+  m.def("fused_kernel_end_named(str name, int device, int bytes, float flops, ScalarType dtype) -> ()",
+        [](const std::string& name, int64_t device, int64_t bytes, double flops, c10::ScalarType dtype) {
+          if (--mirage::tl_kernel_depth > 0 || !mirage::timing()) return;
+          static std::mutex mu;
+          static std::unordered_set<std::string> interned;  // the trace keeps the name's pointer
+          const char* kept;
+          {
+            std::lock_guard<std::mutex> g(mu);
+            kept = interned.insert(name).first->c_str();
+          }
+          const auto dev = static_cast<mirage::DeviceIndex>(device);
+          const mirage::KernelCost cost = mirage::kernel_cost(flops, bytes, dtype, {});
+          mirage::run_on_stream(dev, mirage::tl_stream[dev], cost.ns, cost.kind, kept, bytes, flops, &cost.beside,
+                                dtype);
+        });
   m.def("clock_set_flop_ops(str[] names) -> ()", [](std::vector<std::string> names) {
     mirage::FlopOps& f = mirage::flop_ops();
     std::unique_lock<std::shared_mutex> g(f.mu);

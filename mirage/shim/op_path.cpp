@@ -69,6 +69,7 @@ struct OpTraits {
   // given): `grads_unscaled_by` is then grad_scale's index, and grads' is in unreturned_writes.
   c10::SmallVector<uint32_t, 4> unreturned_writes;
   int32_t grads_unscaled_by = -1;
+  int32_t beta = -1;  // a BLAS op's `beta` argument (addmm, baddbmm, ...): with 0, cuBLAS does not read `self`
   uint64_t written = 0;  // bit i: argument i is written (Tensor(a!)), for --check-races
 };
 
@@ -89,6 +90,7 @@ static const OpTraits& traits_of(const c10::FunctionSchema& schema) {
         traits.unreturned_writes.push_back(i);
       }
       if (args[i].name() == "grad_scale") traits.grads_unscaled_by = static_cast<int32_t>(i);
+      if (args[i].name() == "beta" && i > 0 && args[0].name() == "self") traits.beta = static_cast<int32_t>(i);
       if (i < 64 && args[i].alias_info() && args[i].alias_info()->isWrite()) traits.written |= uint64_t{1} << i;
     }
     const auto& returns = schema.returns();
@@ -138,6 +140,17 @@ static void clock_kernel(const c10::OperatorHandle& op, const OpTraits& traits, 
     if (results[i].isTensor() && results[i].toTensor().defined()) {
       const at::Tensor& out = results[i].toTensor();
       if (out.is_cuda()) traffic.add(out);
+    }
+  }
+  // CUDA's addmm and baddbmm pass beta to cuBLAS, which reads C only when beta is not 0 (and
+  // copy `self` into the result only then: aten/src/ATen/native/cuda/Blas.cpp): with beta=0,
+  // `self` is not read. Megatron's attention scores are a baddbmm into an empty buffer so.
+  if (traits.beta >= 0 && arguments.size() > static_cast<size_t>(traits.beta) && arguments[0].isTensor()) {
+    const c10::IValue& beta = arguments[traits.beta];
+    const at::Tensor& unread = arguments[0].toTensor();
+    if (((beta.isDouble() && beta.toDouble() == 0) || (beta.isInt() && beta.toInt() == 0)) && unread.defined() &&
+        unread.is_cuda()) {
+      traffic.bytes -= static_cast<int64_t>(unread.numel() * unread.itemsize());
     }
   }
   double flops = 0;

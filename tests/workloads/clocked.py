@@ -5,6 +5,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -130,6 +131,39 @@ def norm_backward() -> None:
         "layer_norm_input_only_ms": timed(lambda: layer(grad, x, [n], mean, rstd, weight, bias, [True, False, False])),
         "rms_norm_ms": timed(lambda: rms(grad, x, [n], rms_rstd, weight, [True, True])),
         "rms_norm_input_only_ms": timed(lambda: rms(grad, x, [n], rms_rstd, weight, [True, False])),
+    }))
+
+
+def fused() -> None:
+    """Kernels a GPU runs as one that mirage computes as several ops: dropout (CUDA's fused
+    dropout kernel) and Megatron's fused causal softmax (its CUDA extension, which
+    bench/megatron_extensions stands in for); and a batched GEMM with beta=0, whose `self`
+    cuBLAS does not read. Each timed with events; the results checked against PyTorch's."""
+    sys.path.append(str(Path(__file__).resolve().parents[2] / "bench" / "megatron_extensions"))
+    import scaled_upper_triang_masked_softmax_cuda as causal_softmax
+
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    dropped, mask = torch.ops.aten.native_dropout(x, 0.25, True)
+    a = torch.randn(16, 1024, 64, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(16, 64, 1024, device="cuda", dtype=torch.bfloat16)
+    buffer = torch.empty(16, 1024, 1024, device="cuda", dtype=torch.bfloat16)
+    scores = torch.randn(64, 512, 512, device="cuda", dtype=torch.half, requires_grad=True)
+    causal = torch.ones(512, 512, dtype=torch.bool, device="cuda").triu(1)
+    reference = torch.softmax((scores.float() * 0.5).masked_fill(causal, float("-inf")), dim=-1)
+    grad = torch.randn(64, 512, 512, device="cuda", dtype=torch.half)
+    reference.backward(grad.float())
+    probs = causal_softmax.forward(scores.detach(), 0.5)
+    print(json.dumps({
+        "dropout_ms": timed(lambda: torch.ops.aten.native_dropout(x, 0.25, True)),
+        "dropout_mask_dtype": str(mask.dtype), "dropout_kept": mask.float().mean().item(),
+        "dropout_matches_mask": torch.allclose(dropped.float(), x.float() * mask / 0.75, rtol=1e-2, atol=1e-2),
+        "baddbmm_beta0_ms": timed(lambda: torch.baddbmm(buffer, a, b, beta=0.0)),
+        "baddbmm_beta1_ms": timed(lambda: torch.baddbmm(buffer, a, b, beta=1.0)),
+        "softmax_forward_error": (probs.float() - reference).abs().max().item(),
+        "softmax_backward_error": (causal_softmax.backward(grad.clone(), probs, 0.5).float()
+                                   - scores.grad.float()).abs().max().item(),
+        "softmax_forward_ms": timed(lambda: causal_softmax.forward(scores.detach(), 0.5)),
+        "softmax_backward_ms": timed(lambda: causal_softmax.backward(grad, probs, 0.5)),
     }))
 
 
@@ -382,4 +416,4 @@ def compiled_kernels() -> None:
     print(json.dumps(times))
 
 
-{"gemm": gemm, "compiled": compiled, "compiled_kernels": compiled_kernels, "attention": attention, "flex": flex, "inplace": inplace, "general": general, "norm_backward": norm_backward, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
+{"gemm": gemm, "compiled": compiled, "compiled_kernels": compiled_kernels, "attention": attention, "flex": flex, "inplace": inplace, "general": general, "norm_backward": norm_backward, "fused": fused, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
