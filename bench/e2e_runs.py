@@ -3,8 +3,8 @@
     python bench/validate.py --run-e2e E02 E13 ...   (or `all`: every row that ran before)
 
 A row of `[[e2e]]` is runnable when it says how: `command` (a `mirage run ...` line of
-bench/e2e_gpt.py, run from the repository root, whose rank 0 prints an `E2E` line) or `case` (a
-case of bench/torchtitan_published.py, which runs unmodified torchtitan). The prediction, the
+bench/e2e_gpt.py or bench/megatron_sc21.py, run from the repository root, whose rank 0 prints an
+`E2E` line) or `case` (a case of bench/torchtitan_published.py, which runs unmodified torchtitan). The prediction, the
 commit it ran at and what the run cost this machine replace the row's `predicted_*` and `status`
 lines; the prediction they replace becomes its `previous`. A run that fails leaves the row as it
 was and says why. Rows run one after another: each already uses the machine's cores.
@@ -66,7 +66,7 @@ def run_row(row: dict) -> dict:
     figures = json.loads(e2e[0][e2e[0].index("{"):])
     return {"tokens": round(figures["tokens_per_s_per_gpu"], 1), "memory": float(peak[-1]) if peak else None,
             "step_ms": round(figures["step_ms"], 1), "wall_s": round(wall), "host_gib": None,
-            "how": "bench/e2e_gpt.py, its command"}
+            "how": f"{re.search(r'bench/\w+\.py', row['command']).group(0)}, its command"}
 
 
 def record(text: str, row: dict, figures: dict, commit: str) -> str:
