@@ -23,6 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CASES = Path(__file__).with_name("validation_cases.toml")
+SCRIPT = re.compile(r"bench/\w+\.py")  # the script a row's command runs
 
 
 def mirage_commit() -> str:
@@ -66,7 +67,7 @@ def run_row(row: dict) -> dict:
     figures = json.loads(e2e[0][e2e[0].index("{"):])
     return {"tokens": round(figures["tokens_per_s_per_gpu"], 1), "memory": float(peak[-1]) if peak else None,
             "step_ms": round(figures["step_ms"], 1), "wall_s": round(wall), "host_gib": None,
-            "how": f"{re.search(r'bench/\w+\.py', row['command']).group(0)}, its command"}
+            "how": f"{SCRIPT.search(row['command']).group(0)}, its command"}
 
 
 def record(text: str, row: dict, figures: dict, commit: str) -> str:
