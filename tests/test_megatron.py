@@ -5,6 +5,7 @@ packaging, so it is installed once without dependencies into .venv-megatron/ (ig
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -39,3 +40,25 @@ def test_megatron_core_trains(megatron_path, tp, pp, ranks):
     losses = [float(x) for x in line.split(" losses ")[1].split()]
     assert len(losses) == 8 and 5.4 < losses[0] < 5.7  # ln(256): an untrained model's cross-entropy
     assert losses[-1] < losses[0] - 0.5, losses  # it learns the counting task
+
+
+def test_megatron_sc21_row_predicts_with_megatrons_fused_kernels(megatron_path, tmp_path):
+    """bench/megatron_sc21.py's 1.7B row (E33 of docs/validation.md): 32 A100s, one node standing
+    for four, predicted by megatron-core with Megatron's fused causal softmax, which megatron-core
+    takes only when its CUDA extension imports (bench/megatron_extensions stands in for it): each
+    of the 24 layers runs it forward twice (the layer is recomputed in the backward) and backward
+    once. Its attention and hidden dropouts are CUDA's one fused kernel each, with no separate
+    Bernoulli draw."""
+    trace = tmp_path / "trace.json"
+    result = mirage("run", "--timing", "--predict-only", "--trace", str(trace), "--profile", "a100", "--num-nodes", "4",
+                    "--gpus-per-node", "8", "--stand-ins", "4", "--", "sh", "-c",
+                    "torchrun --nnodes=$MIRAGE_NUM_NODES --node-rank=$MIRAGE_NODE_RANK --nproc-per-node=8 "
+                    "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT bench/megatron_sc21.py --size 1.7B --steps 1",
+                    timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "E2E {" in result.stdout
+    kernels = [e["name"] for e in json.loads(trace.read_text())["traceEvents"]
+               if e.get("ph") == "X" and e.get("pid") == 0 and e.get("tid", 0) != 0]
+    assert kernels.count("scaled_upper_triang_masked_softmax_forward") == 2 * 24
+    assert kernels.count("scaled_upper_triang_masked_softmax_backward") == 24
+    assert kernels.count("aten::native_dropout") >= 3 * 2 * 24 and "aten::bernoulli_" not in kernels
