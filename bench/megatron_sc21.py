@@ -17,12 +17,14 @@ What runs is megatron-core's GPTModel with its local layer spec (no Transformer 
 Float16Module, its DistributedDataParallel (fp16 gradients reduced in buckets overlapped with the
 last micro-batch's backward, as torch's DDP did) and its fp16 optimizer, driven by its
 no-pipelining schedule, data parallel over what tensor parallelism leaves. Where this differs
-from 2021's Megatron-LM, it is heavier, never lighter:
+from 2021's Megatron-LM, it does at least the work 2021's did:
 - the fused softmax is Megatron's CUDA extension, which cannot be built without nvcc; under
   mirage bench/megatron_extensions/ provides it, each call timed as the one kernel it is;
-- bias + GELU and bias + dropout + residual add run as separate eager kernels (2021 fused each
-  pair with TorchScript; megatron-core fuses them with torch.compile, whose host kernels would
-  make a predict-only step of these sizes take hours here);
+- the linear layers have no biases (`add_bias_linear=False`): 2021 added them where they cost
+  next to nothing, in the GEMM's epilogue (F.linear) or fused with GELU or with dropout and the
+  residual add (TorchScript), where megatron-core adds each in a kernel of its own (its fusions
+  are torch.compile's, whose host kernels would make a predict-only step of these sizes take
+  hours here); dropout and the residual add stay two kernels where 2021 ran one;
 - Adam is torch's fused AdamW (apex's FusedAdam, its 2021 equivalent, is not installed), and
   megatron-core's multi-tensor copies, scaling and norms without apex are per-tensor kernels.
 
@@ -100,7 +102,7 @@ def main() -> None:
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads, ffn_hidden_size=4 * hidden,
         tensor_model_parallel_size=tp, hidden_dropout=0.1, attention_dropout=0.1, init_method_std=0.02,
         fp16=True, params_dtype=torch.half, pipeline_dtype=torch.half, attention_softmax_in_fp32=False,
-        masked_softmax_fusion=True, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=True, add_bias_linear=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         gradient_accumulation_fusion=False, recompute_granularity="full", recompute_method="uniform",
         recompute_num_layers=1)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
