@@ -133,7 +133,11 @@ def test_kernels_a_gpu_fuses_are_one_kernel_and_a_beta_zero_gemm_does_not_read_i
     """CUDA's dropout is one kernel (fused_dropout_kernel: it reads the input and writes the output
     and a bool mask), which mirage computes as a Bernoulli draw and two multiplies: it was timed as
     those three kernels and a mask conversion, 17 bytes per bf16 element instead of 5 (found
-    2026-12-06 on Megatron's attention dropout, 3.4x its time). Megatron's fused causal softmax,
+    2026-12-06 on Megatron's attention dropout, 3.4x its time). A softmax that widens bf16 to float
+    (F.softmax(x, dim, dtype=torch.float32), as Hugging Face's eager attention calls it) is one
+    CUDA kernel reading bf16 and writing float, its backward one reading float and writing bf16:
+    mirage's conversions around PyTorch's float kernel were timed as kernels of their own.
+    Megatron's fused causal softmax,
     as bench/megatron_extensions stands in for its CUDA extension, is one kernel that reads each
     row's unmasked prefix and writes the whole row (its backward reads two such prefixes), and
     computes what PyTorch's softmax does. A baddbmm with beta=0 (Megatron's attention scores,
@@ -149,6 +153,10 @@ def test_kernels_a_gpu_fuses_are_one_kernel_and_a_beta_zero_gemm_does_not_read_i
 
     elements = 4096 * 4096
     assert timed["dropout_ms"] == pytest.approx(ms(elements * (2 + 2 + 1)), rel=1e-3)
+    assert timed["half_to_float_ms"] == pytest.approx(ms(elements * (2 + 4)), rel=1e-3)  # bf16 in, float out
+    assert timed["half_to_float_backward_ms"] == pytest.approx(ms(elements * (4 + 4 + 2)), rel=1e-3)
+    assert timed["half_to_float_dtype"] == "torch.float32" and timed["half_to_float_backward_dtype"] == "torch.bfloat16"
+    assert timed["half_to_float_error"] < 1e-6
     assert timed["dropout_mask_dtype"] == "torch.bool" and timed["dropout_matches_mask"]
     assert 0.74 < timed["dropout_kept"] < 0.76
     scores = 64 * 512 * 512 * 2

@@ -171,10 +171,14 @@ static std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input
   }
   if (p == 1) return {at::zeros_like(input), at::zeros_like(input, input.options().dtype(at::kBool))};
   const DeviceIndex dev = input.device().index();
+  auto compute = [&]() -> std::tuple<at::Tensor, at::Tensor> {
+    at::Tensor mask = at::empty_like(input, input.options().dtype(at::kBool)).bernoulli_(1 - p, default_generator(dev));
+    return {input.mul(mask).mul_(1.0 / (1 - p)), mask};
+  };
+  if (capturing()) return compute();  // a CUDA graph records the ops for its replays, one by one
   KernelScope kernel;
   const HostTimedFusedKernel profiled(kernel, "aten::native_dropout", dev, input.scalar_type());
-  at::Tensor mask = at::empty_like(input, input.options().dtype(at::kBool)).bernoulli_(1 - p, default_generator(dev));
-  at::Tensor out = input.mul(mask).mul_(1.0 / (1 - p));
+  auto [out, mask] = compute();
   if (timing() && kernel.outermost) {
     const int64_t bytes = static_cast<int64_t>(2 * input.numel() * input.itemsize() + mask.numel());
     const KernelCost cost = kernel_cost(0, bytes, input.scalar_type(), {});
@@ -191,38 +195,62 @@ static bool no_cudnn_ctc_loss_tensor(const at::Tensor&, const at::Tensor&, const
   return false;
 }
 
-// _softmax / _log_softmax with half_to_float=True (autocast's way: half in, float out) have
-// only a CUDA kernel; the CPU kernel refuses the conversion. As CUDA computes them (in float),
-// the input is widened first; the backward, given float gradients for a half input
-// (input_dtype), returns the half gradient as CUDA does. Everything else: the CPU kernel.
+// _softmax / _log_softmax with half_to_float=True (F.softmax(x, dim, dtype=torch.float32) on a
+// half input: half in, float out) have only a CUDA kernel; the CPU kernel refuses the
+// conversion. As CUDA computes them (in float), the input is widened first; the backward, given
+// float gradients for a half input (input_dtype), returns the half gradient as CUDA does. CUDA
+// converts inside its one kernel (aten/src/ATen/native/cuda/SoftMax.cu), which reads the half
+// input and writes the float result (the backward: the float gradient and output in, the half
+// gradient out): so the ops that compute it here are timed as that one kernel, and under
+// --predict-only only its result is made. Everything else: the CPU kernel.
 static void softmax_half_to_float(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   const size_t num_args = op.schema().arguments().size();
   c10::IValue* arg = &(*stack)[stack->size() - num_args];
   const bool backward = op.schema().name().find("backward") != std::string::npos;
+  const at::Tensor first = arg[0].toTensor();  // the input, or the backward's gradient
+  at::ScalarType result_dtype = at::kFloat;
   if (!backward) {  // (self, dim, half_to_float)
-    if (arg[2].toBool()) {
-      const at::Tensor& self = arg[0].toTensor();
-      TORCH_CHECK(self.scalar_type() == at::kHalf || self.scalar_type() == at::kBFloat16,
-                  "conversion is supported for Half type only");
-      arg[0] = self.to(at::kFloat);
+    if (!arg[2].toBool()) return fallback(op, ks, stack);
+    TORCH_CHECK(first.scalar_type() == at::kHalf || first.scalar_type() == at::kBFloat16,
+                "conversion is supported for Half type only");
+  } else {  // (grad_output, output, dim, input_dtype)
+    result_dtype = static_cast<at::ScalarType>(arg[3].toInt());
+    if (first.scalar_type() == result_dtype) return fallback(op, ks, stack);
+    TORCH_CHECK(first.scalar_type() == at::kFloat && (result_dtype == at::kHalf || result_dtype == at::kBFloat16),
+                "expected input and grad types to match, or input to be at::Half and grad to be at::Float");
+  }
+  int64_t bytes = 0;  // what the one kernel reads
+  for (size_t i = 0; i < num_args; ++i) {
+    if (arg[i].isTensor()) bytes += static_cast<int64_t>(arg[i].toTensor().numel() * arg[i].toTensor().itemsize());
+  }
+  auto compute = [&]() {
+    if (predict_only()) {  // shapes and time only, as the op path predicts a kernel
+      at::Tensor result = at::empty(first.sizes(), first.options().dtype(result_dtype));
+      torch::jit::drop(*stack, num_args);
+      stack->emplace_back(std::move(result));
+    } else if (!backward) {
+      arg[0] = first.to(at::kFloat);
       arg[2] = false;
+      fallback(op, ks, stack);
+    } else {
+      arg[3] = static_cast<int64_t>(first.scalar_type());
+      fallback(op, ks, stack);
+      c10::IValue& result = stack->back();
+      result = result.toTensor().to(result_dtype);
     }
-    fallback(op, ks, stack);
-    return;
+  };
+  if (capturing()) return compute();  // a CUDA graph records the ops for its replays, one by one
+  const DeviceIndex dev = first.device().index();
+  KernelScope kernel;
+  const HostTimedFusedKernel profiled(kernel, op.schema().name().c_str(), dev, first.scalar_type());
+  compute();
+  if (timing() && kernel.outermost) {
+    const at::Tensor& result = stack->back().toTensor();
+    bytes += static_cast<int64_t>(result.numel() * result.itemsize());
+    const KernelCost cost = kernel_cost(0, bytes, first.scalar_type(), {});
+    run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, op.schema().name().c_str(), bytes, 0, &cost.beside,
+                  first.scalar_type());
   }
-  // (grad_output, output, dim, input_dtype)
-  const at::ScalarType input_dtype = static_cast<at::ScalarType>(arg[3].toInt());
-  const at::ScalarType grad_dtype = arg[0].toTensor().scalar_type();
-  if (grad_dtype == input_dtype) {
-    fallback(op, ks, stack);
-    return;
-  }
-  TORCH_CHECK(grad_dtype == at::kFloat && (input_dtype == at::kHalf || input_dtype == at::kBFloat16),
-              "expected input and grad types to match, or input to be at::Half and grad to be at::Float");
-  arg[3] = static_cast<int64_t>(grad_dtype);
-  fallback(op, ks, stack);
-  c10::IValue& result = stack->back();
-  result = result.toTensor().to(input_dtype);
 }
 
 }  // namespace mirage

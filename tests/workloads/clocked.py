@@ -136,7 +136,8 @@ def norm_backward() -> None:
 
 def fused() -> None:
     """Kernels a GPU runs as one that mirage computes as several ops: dropout (CUDA's fused
-    dropout kernel) and Megatron's fused causal softmax (its CUDA extension, which
+    dropout kernel), a softmax that widens half to float (and its backward, which narrows), and
+    Megatron's fused causal softmax (its CUDA extension, which
     bench/megatron_extensions stands in for); and a batched GEMM with beta=0, whose `self`
     cuBLAS does not read. Each timed with events; the results checked against PyTorch's."""
     sys.path.append(str(Path(__file__).resolve().parents[2] / "bench" / "megatron_extensions"))
@@ -153,7 +154,16 @@ def fused() -> None:
     grad = torch.randn(64, 512, 512, device="cuda", dtype=torch.half)
     reference.backward(grad.float())
     probs = causal_softmax.forward(scores.detach(), 0.5)
+    widened = torch.ops.aten._softmax(x, -1, True)  # F.softmax(x, -1, dtype=torch.float32)
+    widened_grad = torch.randn_like(widened)
     print(json.dumps({
+        "half_to_float_error": (widened - torch.softmax(x.float(), -1)).abs().max().item(),
+        "half_to_float_dtype": str(widened.dtype),
+        "half_to_float_ms": timed(lambda: torch.ops.aten._softmax(x, -1, True)),
+        "half_to_float_backward_dtype": str(torch.ops.aten._softmax_backward_data(widened_grad, widened, -1,
+                                                                                  torch.bfloat16).dtype),
+        "half_to_float_backward_ms": timed(lambda: torch.ops.aten._softmax_backward_data(widened_grad, widened, -1,
+                                                                                         torch.bfloat16)),
         "dropout_ms": timed(lambda: torch.ops.aten.native_dropout(x, 0.25, True)),
         "dropout_mask_dtype": str(mask.dtype), "dropout_kept": mask.float().mean().item(),
         "dropout_matches_mask": torch.allclose(dropped.float(), x.float() * mask / 0.75, rtol=1e-2, atol=1e-2),
