@@ -166,6 +166,12 @@ def test_kernels_a_gpu_fuses_are_one_kernel_and_a_beta_zero_gemm_does_not_read_i
     assert timed["softmax_forward_error"] < 1e-3 and timed["softmax_backward_error"] < 1e-2
     unread = 16 * 1024 * 1024 * 2
     assert timed["baddbmm_beta1_ms"] - timed["baddbmm_beta0_ms"] == pytest.approx(unread / bytes_per_ns / 1e6, rel=1e-2)
+    # --predict-only computes none of them (only their results' shapes) and times them alike
+    predicted = mirage("run", "--quiet", "--timing", "--predict-only", "--profile", "h100", "--gpus-per-node", "1",
+                       "--", sys.executable, str(WORKLOAD), "fused")
+    assert predicted.returncode == 0, predicted.stderr
+    assert {k: v for k, v in last_json(predicted.stdout).items() if k.endswith("_ms")} == \
+        {k: v for k, v in timed.items() if k.endswith("_ms")}
 
 
 def test_an_op_that_updates_its_arguments_is_timed_for_what_it_reads_and_writes():
