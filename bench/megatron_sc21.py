@@ -17,7 +17,8 @@ What runs is megatron-core's GPTModel with its local layer spec (no Transformer 
 Float16Module, its DistributedDataParallel (fp16 gradients reduced in buckets overlapped with the
 last micro-batch's backward, as torch's DDP did) and its fp16 optimizer, driven by its
 no-pipelining schedule, data parallel over what tensor parallelism leaves. Where this differs
-from 2021's Megatron-LM, it does at least the work 2021's did:
+from 2021's Megatron-LM (each difference does more work than 2021's, or, the biases, leaves out
+work 2021's did at next to no cost):
 - the fused softmax is Megatron's CUDA extension, which cannot be built without nvcc; under
   mirage bench/megatron_extensions/ provides it, each call timed as the one kernel it is;
 - the linear layers have no biases (`add_bias_linear=False`): 2021 added them where they cost
