@@ -137,6 +137,8 @@ def test_kernels_a_gpu_fuses_are_one_kernel_and_a_beta_zero_gemm_does_not_read_i
     (F.softmax(x, dim, dtype=torch.float32), as Hugging Face's eager attention calls it) is one
     CUDA kernel reading bf16 and writing float, its backward one reading float and writing bf16:
     mirage's conversions around PyTorch's float kernel were timed as kernels of their own.
+    SyncBatchNorm's kernels and the fused LSTM cell, CUDA-only kernels mirage writes as ATen ops,
+    were timed as those ops (batch_norm_elemt: four passes over the input where CUDA makes one).
     Megatron's fused causal softmax,
     as bench/megatron_extensions stands in for its CUDA extension, is one kernel that reads each
     row's unmasked prefix and writes the whole row (its backward reads two such prefixes), and
@@ -157,6 +159,12 @@ def test_kernels_a_gpu_fuses_are_one_kernel_and_a_beta_zero_gemm_does_not_read_i
     assert timed["half_to_float_backward_ms"] == pytest.approx(ms(elements * (4 + 4 + 2)), rel=1e-3)
     assert timed["half_to_float_dtype"] == "torch.float32" and timed["half_to_float_backward_dtype"] == "torch.bfloat16"
     assert timed["half_to_float_error"] < 1e-6
+    images, channel = 16 * 64 * 64 * 64 * 4, 64 * 4  # float32
+    assert timed["batch_norm_stats_ms"] == pytest.approx(ms(images + 2 * channel), rel=1e-3)  # mean and invstd out
+    assert timed["batch_norm_elemt_ms"] == pytest.approx(ms(2 * images + 4 * channel), rel=1e-3)
+    gates, cell, bias = 4096 * 4096 * 4, 4096 * 1024 * 4, 4096 * 4
+    # in: both gates, cx, both biases; out: hy, cy and the workspace (the activated gates)
+    assert timed["lstm_cell_ms"] == pytest.approx(ms(2 * gates + cell + 2 * bias + 2 * cell + gates), rel=1e-3)
     assert timed["dropout_mask_dtype"] == "torch.bool" and timed["dropout_matches_mask"]
     assert 0.74 < timed["dropout_kept"] < 0.76
     scores = 64 * 512 * 512 * 2

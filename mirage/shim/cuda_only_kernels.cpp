@@ -8,7 +8,11 @@
 // are written with ATen ops on the device tensors, so each step runs the CPU kernel in place
 // through the shim's fallback.
 
+#include "device_clock.h"
+#include "graph_capture.h"
+#include "op_cost.h"
 #include "op_path.h"
+#include "profiler_activities.h"
 #include "race_checker.h"
 
 #include <ATen/ATen.h>
@@ -18,6 +22,7 @@
 
 #include <optional>
 #include <tuple>
+#include <type_traits>
 
 namespace mirage {
 namespace {
@@ -258,6 +263,63 @@ void one_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::
   fallback_on_host(op, keys, stack, host);
 }
 
+// What a kernel moves: the bytes of the tensors it takes and returns (scalars, absent tensors none).
+int64_t moved(const Tensor& t) { return t.defined() ? static_cast<int64_t>(t.numel() * t.itemsize()) : 0; }
+int64_t moved(const std::optional<Tensor>& t) { return t ? moved(*t) : 0; }
+template <typename... T>
+int64_t moved(const std::tuple<T...>& t) {
+  return std::apply([](const auto&... each) { return (int64_t{0} + ... + moved(each)); }, t);
+}
+template <typename T>
+int64_t moved(const T&) {
+  return 0;
+}
+const Tensor* defined_tensor(const Tensor& t) { return t.defined() ? &t : nullptr; }
+const Tensor* defined_tensor(const std::optional<Tensor>& t) { return t && t->defined() ? &*t : nullptr; }
+template <typename T>
+const Tensor* defined_tensor(const T&) {
+  return nullptr;
+}
+
+// One GPU kernel (CUDA's batch_norm_collect_statistics_kernel, batch_norm_transform_input_kernel,
+// lstm_cell_forward, ...) that the functions above compute as several ATen ops on the device: in
+// clocked mode it is timed as that one kernel moving its operands and results, and torch.profiler
+// shows that one kernel, as a GPU's does. A result that is an argument (an out= variant) is
+// counted once. A CUDA graph capture records the ops one by one for its replays.
+template <const char* name, auto fn>
+struct AsOneKernel;
+template <const char* name, typename R, typename... A, R (*fn)(A...)>
+struct AsOneKernel<name, fn> {
+  static R call(A... args) {
+    const Tensor* first = nullptr;
+    ((first = first ? first : defined_tensor(args)), ...);
+    if (first == nullptr || capturing()) return fn(args...);
+    const DeviceIndex dev = first->device().index();
+    const at::ScalarType dtype = first->scalar_type();
+    KernelScope kernel;
+    const HostTimedFusedKernel profiled(kernel, name, dev, dtype);
+    R result = fn(args...);
+    if (timing() && kernel.outermost) {
+      int64_t bytes = (int64_t{0} + ... + moved(args));
+      if constexpr (!std::is_reference_v<R>) bytes += moved(result);
+      const KernelCost cost = kernel_cost(0, bytes, dtype, {});
+      run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, name, bytes, 0, &cost.beside, dtype);
+    }
+    return result;
+  }
+};
+
+constexpr char kBatchNormStats[] = "aten::batch_norm_stats";
+constexpr char kGatherStats[] = "aten::batch_norm_gather_stats";
+constexpr char kGatherStatsWithCounts[] = "aten::batch_norm_gather_stats_with_counts";
+constexpr char kBatchNormElemt[] = "aten::batch_norm_elemt";
+constexpr char kBackwardReduce[] = "aten::batch_norm_backward_reduce";
+constexpr char kBackwardElemt[] = "aten::batch_norm_backward_elemt";
+constexpr char kLstmCell[] = "aten::_thnn_fused_lstm_cell";
+constexpr char kLstmCellBackward[] = "aten::_thnn_fused_lstm_cell_backward_impl";
+constexpr char kGruCell[] = "aten::_thnn_fused_gru_cell";
+constexpr char kGruCellBackward[] = "aten::_thnn_fused_gru_cell_backward";
+
 }  // namespace
 
 }  // namespace mirage
@@ -268,16 +330,24 @@ TORCH_LIBRARY_IMPL(aten, CUDA, m) {
   m.impl("_fused_rms_norm", torch::CppFunction::makeFromBoxedFunction<&mirage::one_kernel<nullptr>>());
   m.impl("_fused_rms_norm_backward",
          torch::CppFunction::makeFromBoxedFunction<&mirage::one_kernel<&mirage::fused_rms_norm_backward>>());
-  m.impl("_thnn_fused_lstm_cell", TORCH_FN(mirage::fused_lstm_cell));
-  m.impl("_thnn_fused_lstm_cell_backward_impl", TORCH_FN(mirage::fused_lstm_cell_backward_impl));
-  m.impl("_thnn_fused_gru_cell", TORCH_FN(mirage::fused_gru_cell));
-  m.impl("_thnn_fused_gru_cell_backward", TORCH_FN(mirage::fused_gru_cell_backward));
+  using mirage::AsOneKernel;
+  m.impl("_thnn_fused_lstm_cell", TORCH_FN((AsOneKernel<mirage::kLstmCell, &mirage::fused_lstm_cell>::call)));
+  m.impl("_thnn_fused_lstm_cell_backward_impl",
+         TORCH_FN((AsOneKernel<mirage::kLstmCellBackward, &mirage::fused_lstm_cell_backward_impl>::call)));
+  m.impl("_thnn_fused_gru_cell", TORCH_FN((AsOneKernel<mirage::kGruCell, &mirage::fused_gru_cell>::call)));
+  m.impl("_thnn_fused_gru_cell_backward",
+         TORCH_FN((AsOneKernel<mirage::kGruCellBackward, &mirage::fused_gru_cell_backward>::call)));
   m.impl("record_stream", TORCH_FN(mirage::record_stream));
-  m.impl("batch_norm_stats", TORCH_FN(mirage::batch_norm_stats));
-  m.impl("batch_norm_gather_stats", TORCH_FN(mirage::batch_norm_gather_stats));
-  m.impl("batch_norm_gather_stats_with_counts", TORCH_FN(mirage::batch_norm_gather_stats_with_counts));
-  m.impl("batch_norm_elemt", TORCH_FN(mirage::batch_norm_elemt));
-  m.impl("batch_norm_elemt.out", TORCH_FN(mirage::batch_norm_elemt_out));
-  m.impl("batch_norm_backward_reduce", TORCH_FN(mirage::batch_norm_backward_reduce));
-  m.impl("batch_norm_backward_elemt", TORCH_FN(mirage::batch_norm_backward_elemt));
+  m.impl("batch_norm_stats", TORCH_FN((AsOneKernel<mirage::kBatchNormStats, &mirage::batch_norm_stats>::call)));
+  m.impl("batch_norm_gather_stats",
+         TORCH_FN((AsOneKernel<mirage::kGatherStats, &mirage::batch_norm_gather_stats>::call)));
+  m.impl("batch_norm_gather_stats_with_counts",
+         TORCH_FN((AsOneKernel<mirage::kGatherStatsWithCounts, &mirage::batch_norm_gather_stats_with_counts>::call)));
+  m.impl("batch_norm_elemt", TORCH_FN((AsOneKernel<mirage::kBatchNormElemt, &mirage::batch_norm_elemt>::call)));
+  m.impl("batch_norm_elemt.out",
+         TORCH_FN((AsOneKernel<mirage::kBatchNormElemt, &mirage::batch_norm_elemt_out>::call)));
+  m.impl("batch_norm_backward_reduce",
+         TORCH_FN((AsOneKernel<mirage::kBackwardReduce, &mirage::batch_norm_backward_reduce>::call)));
+  m.impl("batch_norm_backward_elemt",
+         TORCH_FN((AsOneKernel<mirage::kBackwardElemt, &mirage::batch_norm_backward_elemt>::call)));
 }

@@ -84,8 +84,10 @@ static at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool non_block
   // program, README): device to device, and floating-point data from the host, whose values no
   // kernel would read (kernels run only on integer inputs) and the host reads back as 0. Its
   // pages of device memory stay untouched.
+  // Inside a kernel mirage computes as ops (KernelScope) a copy of integers is made (what a fused
+  // kernel's own steering reads, FlexAttention's block counts), one of floating-point data not.
   if (predict_only() && self.is_cuda() && (src.is_cuda() || is_phantom_dtype(self.scalar_type())) &&
-      tl_kernel_depth == 0) {
+      (tl_kernel_depth == 0 || is_phantom_dtype(self.scalar_type()))) {
     clock_copy(self, src, non_blocking);
     return self;
   }

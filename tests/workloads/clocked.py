@@ -136,7 +136,8 @@ def norm_backward() -> None:
 
 def fused() -> None:
     """Kernels a GPU runs as one that mirage computes as several ops: dropout (CUDA's fused
-    dropout kernel), a softmax that widens half to float (and its backward, which narrows), and
+    dropout kernel), a softmax that widens half to float (and its backward, which narrows),
+    SyncBatchNorm's statistics and normalization and the fused LSTM cell (CUDA-only kernels), and
     Megatron's fused causal softmax (its CUDA extension, which
     bench/megatron_extensions stands in for); and a batched GEMM with beta=0, whose `self`
     cuBLAS does not read. Each timed with events; the results checked against PyTorch's."""
@@ -154,6 +155,10 @@ def fused() -> None:
     grad = torch.randn(64, 512, 512, device="cuda", dtype=torch.half)
     reference.backward(grad.float())
     probs = causal_softmax.forward(scores.detach(), 0.5)
+    images = torch.randn(16, 64, 64, 64, device="cuda")
+    channel = torch.ones(64, device="cuda")
+    gates = [torch.randn(4096, 4096, device="cuda") for _ in range(2)]
+    cell, gate_bias = torch.randn(4096, 1024, device="cuda"), torch.zeros(4096, device="cuda")
     widened = torch.ops.aten._softmax(x, -1, True)  # F.softmax(x, -1, dtype=torch.float32)
     widened_grad = torch.randn_like(widened)
     print(json.dumps({
@@ -165,6 +170,9 @@ def fused() -> None:
         "half_to_float_backward_ms": timed(lambda: torch.ops.aten._softmax_backward_data(widened_grad, widened, -1,
                                                                                          torch.bfloat16)),
         "dropout_ms": timed(lambda: torch.ops.aten.native_dropout(x, 0.25, True)),
+        "batch_norm_stats_ms": timed(lambda: torch.batch_norm_stats(images, 1e-5)),
+        "batch_norm_elemt_ms": timed(lambda: torch.batch_norm_elemt(images, channel, channel, channel, channel, 1e-5)),
+        "lstm_cell_ms": timed(lambda: torch.ops.aten._thnn_fused_lstm_cell(gates[0], gates[1], cell, gate_bias, gate_bias)),
         "dropout_mask_dtype": str(mask.dtype), "dropout_kept": mask.float().mean().item(),
         "dropout_matches_mask": torch.allclose(dropped.float(), x.float() * mask / 0.75, rtol=1e-2, atol=1e-2),
         "baddbmm_beta0_ms": timed(lambda: torch.baddbmm(buffer, a, b, beta=0.0)),
