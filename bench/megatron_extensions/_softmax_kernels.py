@@ -34,7 +34,7 @@ def one_kernel(name: str, device: torch.device, bytes_moved: int, dtype: torch.d
     try:
         yield
     finally:
-        torch.ops.mirage.fused_kernel_end_named(name, device.index, bytes_moved, 0.0, dtype)
+        torch.ops.mirage.fused_kernel_end_named(name, device.index, bytes_moved, dtype)
 
 
 def causal_prefix_share(seq: int) -> float:

@@ -8,11 +8,8 @@
 // are written with ATen ops on the device tensors, so each step runs the CPU kernel in place
 // through the shim's fallback.
 
-#include "device_clock.h"
-#include "graph_capture.h"
-#include "op_cost.h"
+#include "as_one_kernel.h"
 #include "op_path.h"
-#include "profiler_activities.h"
 #include "race_checker.h"
 
 #include <ATen/ATen.h>
@@ -22,7 +19,6 @@
 
 #include <optional>
 #include <tuple>
-#include <type_traits>
 
 namespace mirage {
 namespace {
@@ -262,52 +258,6 @@ void one_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::
   at::DisableRecordFunctionGuard composite_unrecorded;
   fallback_on_host(op, keys, stack, host);
 }
-
-// What a kernel moves: the bytes of the tensors it takes and returns (scalars, absent tensors none).
-int64_t moved(const Tensor& t) { return t.defined() ? static_cast<int64_t>(t.numel() * t.itemsize()) : 0; }
-int64_t moved(const std::optional<Tensor>& t) { return t ? moved(*t) : 0; }
-template <typename... T>
-int64_t moved(const std::tuple<T...>& t) {
-  return std::apply([](const auto&... each) { return (int64_t{0} + ... + moved(each)); }, t);
-}
-template <typename T>
-int64_t moved(const T&) {
-  return 0;
-}
-const Tensor* defined_tensor(const Tensor& t) { return t.defined() ? &t : nullptr; }
-const Tensor* defined_tensor(const std::optional<Tensor>& t) { return t && t->defined() ? &*t : nullptr; }
-template <typename T>
-const Tensor* defined_tensor(const T&) {
-  return nullptr;
-}
-
-// One GPU kernel (CUDA's batch_norm_collect_statistics_kernel, batch_norm_transform_input_kernel,
-// lstm_cell_forward, ...) that the functions above compute as several ATen ops on the device: in
-// clocked mode it is timed as that one kernel moving its operands and results, and torch.profiler
-// shows that one kernel, as a GPU's does. A result that is an argument (an out= variant) is
-// counted once. A CUDA graph capture records the ops one by one for its replays.
-template <const char* name, auto fn>
-struct AsOneKernel;
-template <const char* name, typename R, typename... A, R (*fn)(A...)>
-struct AsOneKernel<name, fn> {
-  static R call(A... args) {
-    const Tensor* first = nullptr;
-    ((first = first ? first : defined_tensor(args)), ...);
-    if (first == nullptr || capturing()) return fn(args...);
-    const DeviceIndex dev = first->device().index();
-    const at::ScalarType dtype = first->scalar_type();
-    KernelScope kernel;
-    const HostTimedFusedKernel profiled(kernel, name, dev, dtype);
-    R result = fn(args...);
-    if (timing() && kernel.outermost) {
-      int64_t bytes = (int64_t{0} + ... + moved(args));
-      if constexpr (!std::is_reference_v<R>) bytes += moved(result);
-      const KernelCost cost = kernel_cost(0, bytes, dtype, {});
-      run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, name, bytes, 0, &cost.beside, dtype);
-    }
-    return result;
-  }
-};
 
 constexpr char kBatchNormStats[] = "aten::batch_norm_stats";
 constexpr char kGatherStats[] = "aten::batch_norm_gather_stats";

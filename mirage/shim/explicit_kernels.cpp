@@ -2,6 +2,7 @@
 // does: allocation (empty), copies between host and device, set_ with storages, dropout with the
 // device's generator, autocast's half-to-float softmax, and the choices of backend (convolution,
 // CTC loss) a CUDA build makes differently.
+#include "as_one_kernel.h"
 #include "faults.h"
 #include "device_guard.h"
 #include "device_memory.h"
@@ -165,30 +166,18 @@ static at::Tensor& set_empty(at::Tensor& self) {
 }
 
 // Bernoulli dropout with the device's own generator (the CPU kernel would draw from the CPU's),
-// one kernel as CUDA's (aten/src/ATen/native/cuda/Dropout.cu, fused_dropout_kernel: it reads the
-// input and writes the output and the bool mask): the ops that compute it are not timed alone.
+// registered as one kernel (as_one_kernel.h), as CUDA's fused_dropout_kernel reads the input and
+// writes the output and the bool mask (aten/src/ATen/native/cuda/Dropout.cu).
 static std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, double p, std::optional<bool> train) {
   if (input.numel() == 0 || (train.has_value() && !*train) || p == 0) {
     return {input.clone(), at::ones_like(input, input.options().dtype(at::kBool))};
   }
   if (p == 1) return {at::zeros_like(input), at::zeros_like(input, input.options().dtype(at::kBool))};
-  const DeviceIndex dev = input.device().index();
-  auto compute = [&]() -> std::tuple<at::Tensor, at::Tensor> {
-    at::Tensor mask = at::empty_like(input, input.options().dtype(at::kBool)).bernoulli_(1 - p, default_generator(dev));
-    return {input.mul(mask).mul_(1.0 / (1 - p)), mask};
-  };
-  if (capturing()) return compute();  // a CUDA graph records the ops for its replays, one by one
-  KernelScope kernel;
-  const HostTimedFusedKernel profiled(kernel, "aten::native_dropout", dev, input.scalar_type());
-  auto [out, mask] = compute();
-  if (timing() && kernel.outermost) {
-    const int64_t bytes = static_cast<int64_t>(2 * input.numel() * input.itemsize() + mask.numel());
-    const KernelCost cost = kernel_cost(0, bytes, input.scalar_type(), {});
-    run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, "aten::native_dropout", bytes, 0, &cost.beside,
-                  input.scalar_type());
-  }
-  return {out, mask};
+  at::Tensor mask = at::empty_like(input, input.options().dtype(at::kBool))
+                        .bernoulli_(1 - p, default_generator(input.device().index()));
+  return {input.mul(mask).mul_(1.0 / (1 - p)), mask};
 }
+static constexpr char kNativeDropout[] = "aten::native_dropout";
 
 static bool no_cudnn_ctc_loss(const at::Tensor&, const at::Tensor&, c10::IntArrayRef, c10::IntArrayRef, int64_t) {
   return false;
@@ -223,7 +212,7 @@ static void softmax_half_to_float(const c10::OperatorHandle& op, c10::DispatchKe
   }
   int64_t bytes = 0;  // what the one kernel reads
   for (size_t i = 0; i < num_args; ++i) {
-    if (arg[i].isTensor()) bytes += static_cast<int64_t>(arg[i].toTensor().numel() * arg[i].toTensor().itemsize());
+    if (arg[i].isTensor()) bytes += moved(arg[i].toTensor());
   }
   auto compute = [&]() {
     if (predict_only()) {  // shapes and time only, as the op path predicts a kernel
@@ -247,11 +236,7 @@ static void softmax_half_to_float(const c10::OperatorHandle& op, c10::DispatchKe
   const HostTimedFusedKernel profiled(kernel, op.schema().name().c_str(), dev, first.scalar_type());
   compute();
   if (timing() && kernel.outermost) {
-    const at::Tensor& result = stack->back().toTensor();
-    bytes += static_cast<int64_t>(result.numel() * result.itemsize());
-    const KernelCost cost = kernel_cost(0, bytes, first.scalar_type(), {});
-    run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, op.schema().name().c_str(), bytes, 0, &cost.beside,
-                  first.scalar_type());
+    clock_memory_kernel(op.schema().name().c_str(), dev, bytes + moved(stack->back().toTensor()), first.scalar_type());
   }
 }
 
@@ -269,7 +254,7 @@ TORCH_LIBRARY_IMPL(aten, CUDA, m) {
   m.impl("set_.source_Storage", TORCH_FN(mirage::set_whole_storage));
   m.impl("set_.source_Tensor", TORCH_FN(mirage::set_source_tensor));
   m.impl("set_", TORCH_FN(mirage::set_empty));
-  m.impl("native_dropout", TORCH_FN(mirage::native_dropout));
+  m.impl("native_dropout", TORCH_FN((mirage::AsOneKernel<mirage::kNativeDropout, &mirage::native_dropout>::call)));
   for (const char* name : {"_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&mirage::softmax_half_to_float>());
   }

@@ -335,6 +335,11 @@ void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs
                 first.scalar_type());
 }
 
+void clock_memory_kernel(const char* name, DeviceIndex dev, int64_t bytes, at::ScalarType dtype) {
+  const KernelCost cost = kernel_cost(0, bytes, dtype, {});
+  run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, name, bytes, 0, &cost.beside, dtype);
+}
+
 }  // namespace mirage
 
 // nccl-tests' bus factor (mirage::nccl::Kind order): what each rank's links carry per byte of
@@ -463,11 +468,10 @@ MIRAGE_LIBRARY(m) {
           mirage::run_on_stream(dev, mirage::tl_stream[dev], cost.ns, cost.kind, names[kernel], bytes, flops,
                                 &cost.beside, dtype);
         });
-  // The same for a kernel of an extension mirage's workloads provide as many ops (a stand-in
-  // for a compiled CUDA extension, such as Megatron's fused softmax), named in traces as `name`:
-  // its FLOPs at the GEMM rate, its bytes at the memory rate, whichever is longer.
-  m.def("fused_kernel_end_named(str name, int device, int bytes, float flops, ScalarType dtype) -> ()",
-        [](const std::string& name, int64_t device, int64_t bytes, double flops, c10::ScalarType dtype) {
+  // The same for a memory-bound kernel of an extension a workload provides as ops (a stand-in
+  // for a compiled CUDA extension, such as Megatron's fused softmax), named in traces as `name`.
+  m.def("fused_kernel_end_named(str name, int device, int bytes, ScalarType dtype) -> ()",
+        [](const std::string& name, int64_t device, int64_t bytes, c10::ScalarType dtype) {
           if (--mirage::tl_kernel_depth > 0 || !mirage::timing()) return;
           static std::mutex mu;
           static std::unordered_set<std::string> interned;  // the trace keeps the name's pointer
@@ -476,10 +480,7 @@ MIRAGE_LIBRARY(m) {
             std::lock_guard<std::mutex> g(mu);
             kept = interned.insert(name).first->c_str();
           }
-          const auto dev = static_cast<mirage::DeviceIndex>(device);
-          const mirage::KernelCost cost = mirage::kernel_cost(flops, bytes, dtype, {});
-          mirage::run_on_stream(dev, mirage::tl_stream[dev], cost.ns, cost.kind, kept, bytes, flops, &cost.beside,
-                                dtype);
+          mirage::clock_memory_kernel(kept, static_cast<mirage::DeviceIndex>(device), bytes, dtype);
         });
   m.def("clock_set_flop_ops(str[] names) -> ()", [](std::vector<std::string> names) {
     mirage::FlopOps& f = mirage::flop_ops();

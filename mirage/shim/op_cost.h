@@ -161,4 +161,10 @@ void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs
                         std::initializer_list<at::Tensor> outputs, bool causal, int64_t seq_q, int64_t seq_k,
                         ComputeKind kind);
 
+// A kernel without FLOPs that mirage computes as several ops (CUDA's fused dropout, a widening
+// softmax, SyncBatchNorm's kernels, an extension's kernel a workload stands in for): its place
+// on the timeline as one kernel named `name` moving `bytes`. Call with a KernelScope held around
+// its ops, and only when that scope is the outermost. `name` must outlive the process's trace.
+void clock_memory_kernel(const char* name, DeviceIndex dev, int64_t bytes, at::ScalarType dtype);
+
 }  // namespace mirage
