@@ -73,6 +73,37 @@ def test_cuda_time_in_key_averages_is_the_predicted_kernel_time_in_clocked_mode(
     assert float(device_us) * 1000 == pytest.approx(3 * int(predicted_ns), abs=1)
 
 
+COPIES = """
+import json, torch
+from torch.profiler import profile, ProfilerActivity
+a = torch.randn(256, 256, device="cuda")
+b = torch.empty_like(a)
+with profile(activities=[ProfilerActivity.CUDA]) as p:
+    b.copy_(a)
+    c = a.to(torch.bfloat16)
+    b.copy_(a.t())
+    torch.cuda.synchronize()
+print(json.dumps([e.name for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]))
+"""
+
+
+@pytest.mark.parametrize("timing", [False, True], ids=["host-times", "clocked"])
+def test_a_copy_is_a_memcpy_only_where_cuda_makes_it_one(timing: bool) -> None:
+    """CUDA's copy_ within a device is a cudaMemcpyAsync where both tensors have one dtype and one
+    dense layout, and ATen's direct copy kernel otherwise: a conversion (`.to(torch.bfloat16)`,
+    RMSNorm's `.float()`) or a strided copy is a kernel in the profile, as on a CUDA build (and,
+    clocked, a kernel that hides communication beside it, which a memcpy does not)."""
+    profile = ["--timing", "--profile", "h100"] if timing else []
+    result = subprocess.run(
+        [sys.executable, "-m", "mirage", "run", *profile, "--gpus-per-node", "1", "--", "python", "-c", COPIES],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    same, conversion, strided = json.loads(result.stdout.splitlines()[-1])
+    assert same == "Memcpy DtoD (Device -> Device)"
+    for name in (conversion, strided):
+        assert not name.startswith("Memcpy") and "copy" in name, name
+
+
 GPU_PROFILE = "tests/workloads/gpu_profile.py"
 
 
@@ -168,7 +199,8 @@ def test_hta_and_tensorboard_read_the_predicted_traces_of_an_fsdp_job(tmp_path: 
     flags record it (tests/workloads/fsdp_profile.py): HTA, unchanged, runs its temporal
     breakdown, its communication/computation overlap and its kernel breakdown on the traces, and
     its overlap is mirage's own for that step (1 - exposed / collective time, from the clocked
-    report's split) within a percentage point; TensorBoard's profiler plugin offers its kernel
+    report's split) to HTA's two decimals (HTA reading the traces at their nanosecond
+    resolution, tests/trace_tools.py); TensorBoard's profiler plugin offers its kernel
     view for each worker (it offers none for a trace without a GPU side)."""
     from trace_tools import analyse, tensorboard_views
 
@@ -188,7 +220,7 @@ def test_hta_and_tensorboard_read_the_predicted_traces_of_an_fsdp_job(tmp_path: 
     assert sorted(overlap) == [0, 1, 2, 3]
     for rank, step in steps.items():
         assert 0 < step["exposed_ns"] < step["collective_ns"]  # overlapped in part: the check can fail both ways
-        assert overlap[rank] == pytest.approx(100 * (1 - step["exposed_ns"] / step["collective_ns"]), abs=1.0)
+        assert overlap[rank] == pytest.approx(100 * (1 - step["exposed_ns"] / step["collective_ns"]), abs=0.01)
     kinds = {row["kernel_type"] for row in hta["kernel_types"]}
     assert {"COMPUTATION", "COMMUNICATION", "MEMORY"} <= kinds
     assert any(name.startswith("ncclDevKernel_AllGather") for name in hta["kernel_names"])

@@ -11,6 +11,7 @@ plotly and TensorBoard stay out of the environment mirage runs in.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -67,17 +68,22 @@ def install() -> Path:
     return python
 
 
-def run_tool(script: str, *args: str) -> dict:
-    """`script` run by the tools' interpreter with `args`: the JSON of its last line of output."""
-    result = subprocess.run([install(), "-c", script, *args], capture_output=True, text=True, timeout=600)
+def run_tool(script: str, *args: str, env: dict[str, str] | None = None) -> dict:
+    """`script` run by the tools' interpreter with `args` (and `env` added to the environment):
+    the JSON of its last line of output."""
+    result = subprocess.run([install(), "-c", script, *args], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, **(env or {})})
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def analyse(trace_dir: Path) -> dict:
     """HTA's temporal breakdown, communication/computation overlap and kernel breakdown of the
-    per-rank traces in `trace_dir`."""
-    return run_tool(ANALYSES, str(trace_dir))
+    per-rank traces in `trace_dir`. HTA rounds a trace's nanosecond timestamps inward to whole
+    microseconds unless its own HTA_DISABLE_NS_ROUNDING is set (its answer to CUPTI's overlapping
+    events), which shortens each kernel by up to 2 us: over a step of few-microsecond kernels that
+    moves its overlap by a point, so it reads the traces at their resolution here."""
+    return run_tool(ANALYSES, str(trace_dir), env={"HTA_DISABLE_NS_ROUNDING": "1"})
 
 
 def tensorboard_views(trace_dir: Path, cache_dir: Path) -> dict:

@@ -48,6 +48,17 @@ static at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
       c10::DispatchKeySet(c10::DispatchKey::CUDA), c10::dtype_or_default(dtype));
 }
 
+// What CUDA runs for a copy within a device: a cudaMemcpyAsync where the two tensors have one
+// dtype and one dense layout (Copy.cu's memcpy_eligible), else ATen's direct_copy_kernel_cuda, an
+// elementwise kernel (a conversion, a strided or broadcast copy). The profiler shows the two
+// apart, and a kernel hides communication beside it where a memcpy does not (device_clock.h).
+static const char* device_copy_name(const at::Tensor& self, const at::Tensor& src) {
+  const bool memcpy = self.scalar_type() == src.scalar_type() && self.is_conj() == src.is_conj() &&
+                      self.is_neg() == src.is_neg() && self.is_non_overlapping_and_dense() &&
+                      self.sizes().equals(src.sizes()) && self.strides().equals(src.strides());
+  return memcpy ? "Memcpy DtoD" : "aten::copy_";
+}
+
 // Clocked mode: a copy is a kernel on the current stream of its device (the destination's, or
 // the source's for a copy to the host), over the host link when it crosses it; the host waits
 // for it unless it is non-blocking with pinned host memory, as cudaMemcpyAsync would.
@@ -67,7 +78,7 @@ static void clock_copy(const at::Tensor& self, const at::Tensor& src, bool non_b
   const KernelCost within = device_copy_cost(bytes, general);
   const int64_t end = run_on_stream(dev, tl_stream[dev], crosses_host ? copy_cost_ns(bytes, true) : within.ns,
                                     crosses_host ? WorkKind::kCopy : WorkKind::kMemory, crosses_host ?
-                                    (self.is_cuda() ? "Memcpy HtoD" : "Memcpy DtoH") : "Memcpy DtoD", bytes, 0,
+                                    (self.is_cuda() ? "Memcpy HtoD" : "Memcpy DtoH") : device_copy_name(self, src), bytes, 0,
                                     crosses_host ? nullptr : &within.beside);
   const bool async = non_blocking && host_side.is_pinned();
   if (crosses_host && !async) host_waits_for(end);
@@ -109,7 +120,7 @@ static at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool non_block
     at::_ops::copy_::redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), dst_cpu, src_cpu, false);
   }
   if (profiled) {
-    const char* direction = !self.is_cuda() ? "Memcpy DtoH" : src.is_cuda() ? "Memcpy DtoD" : "Memcpy HtoD";
+    const char* direction = !self.is_cuda() ? "Memcpy DtoH" : src.is_cuda() ? device_copy_name(self, src) : "Memcpy HtoD";
     note_device_work(Interval{began, profiler_wall_ns(), direction, static_cast<int64_t>(self.numel() * self.itemsize()),
                               0, tl_stream[dev], WorkKind::kCopy, dev}, began, launch);
   }
