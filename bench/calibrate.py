@@ -87,6 +87,39 @@ def benchmarks(quick: bool) -> dict:
     return results
 
 
+def predict_and_save(mirage_flags: list[str], script: list[str], saved: Path) -> int:
+    """Run `script` (a bench script and its arguments) under `mirage run --quiet --gpus-per-node 1
+    MIRAGE_FLAGS` and save what it prints after "RESULTS " to `saved`: the prediction a real GPU's
+    measurement is later set against."""
+    run = subprocess.run([sys.executable, "-m", "mirage", "run", "--quiet", "--gpus-per-node", "1", *mirage_flags,
+                          "--", sys.executable, *script], capture_output=True, text=True, timeout=1800)
+    line = next((l for l in run.stdout.splitlines() if l.startswith("RESULTS ")), None)
+    if run.returncode != 0 or line is None:
+        print(run.stdout[-2000:] + run.stderr[-3000:], file=sys.stderr)
+        return 1
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps(json.loads(line[8:]), indent=1) + "\n")
+    print(f"prediction for {Path(script[0]).name} on {mirage_flags[mirage_flags.index('--profile') + 1]} "
+          f"written to {saved}")
+    return 0
+
+
+def measuring_a_gpu(script: str, profile: str, saved: Path) -> bool:
+    """Whether this process can measure what `script` predicted into `saved`: a real GPU (no mirage
+    session) and the saved prediction. If not, says what to run instead."""
+    import torch
+
+    name = f"bench/{Path(script).name}"
+    if not torch.cuda.is_available() or os.environ.get("MIRAGE_SESSION"):
+        print(f"{name} measures a real GPU: run it on one (without mirage), or use --predict here", file=sys.stderr)
+        return False
+    if not saved.exists():
+        print(f"no prediction for {profile} ({saved}); make it first: python {name} --predict --profile {profile}",
+              file=sys.stderr)
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", required=True, help="the mirage profile of this GPU (h100, h200, mi300x, ...)")
@@ -99,27 +132,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     saved = PREDICTIONS / f"{args.profile}.json"
     if args.predict:
-        run = subprocess.run([sys.executable, "-m", "mirage", "run", "--quiet", "--in-process", "--timing", "--profile",
-                              args.profile, "--gpus-per-node", "1", "--", sys.executable, __file__, "--profile",
-                              args.profile, "--inner"], capture_output=True, text=True, timeout=1800)
-        line = next((l for l in run.stdout.splitlines() if l.startswith("RESULTS ")), None)
-        if run.returncode != 0 or line is None:
-            print(run.stderr[-3000:], file=sys.stderr)
-            return 1
-        PREDICTIONS.mkdir(exist_ok=True)
-        saved.write_text(json.dumps(json.loads(line[8:]), indent=1) + "\n")
-        print(f"predictions for {args.profile} written to {saved}")
-        return 0
+        return predict_and_save(["--in-process", "--timing", "--profile", args.profile],
+                                [__file__, "--profile", args.profile, "--inner"], saved)
+    if not measuring_a_gpu(__file__, args.profile, saved):
+        return 2
     import torch
 
-    if not torch.cuda.is_available() or os.environ.get("MIRAGE_SESSION"):
-        print("bench/calibrate.py measures a real GPU: run it on one (without mirage), or use --predict here",
-              file=sys.stderr)
-        return 2
-    if not saved.exists():
-        print(f"no predictions for {args.profile} ({saved}); make them first: python bench/calibrate.py --predict "
-              f"--profile {args.profile}", file=sys.stderr)
-        return 2
     predicted = json.loads(saved.read_text())
     measured = benchmarks(quick=False)
     name = torch.cuda.get_device_name(0)

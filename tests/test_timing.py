@@ -349,6 +349,30 @@ def test_predict_only_predicts_what_the_full_run_predicts(tmp_path):
     assert predicted["split_ms"] == full["split_ms"] and predicted["step_ms"] == full["step_ms"]
 
 
+def test_the_gpu_check_splits_a_predicted_step_into_the_kernel_classes_a_cuda_profile_has(tmp_path):
+    """bench/step_classes.py, the step a lent GPU measures (docs/validation.md, "Real GPU"),
+    predicted here and split by kernel name as the real profile will be: each linear layer's three
+    GEMMs (forward, input and weight gradients), one fused attention kernel each way per layer, the
+    fused AdamW, RMSNorm's and the loss's conversions among the copies; the classes add up to the
+    kernels' time. Without a GPU, measuring is refused and says what to run instead."""
+    saved = tmp_path / "prediction.json"
+    shape = ["--layers", "2", "--dim", "256", "--heads", "4", "--kv-heads", "2", "--ffn", "512", "--vocab", "1000",
+             "--seq", "256"]
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "step_classes.py"), "--predict", "--profile", "h100",
+                          "--output", str(saved), *shape], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    predicted = json.loads(saved.read_text())
+    classes = {label: entry["kernels"] for label, entry in predicted["classes"].items()}
+    assert classes["gemm"] == 2 * 7 * 3 + 3  # seven linears a layer and the output head, three GEMMs each
+    assert classes["attention"] == 2 * 2 and classes["optimizer"] == 1 and classes["collective"] == 0
+    assert classes["copy"] > 0 and classes["memory-bound"] > 0
+    assert predicted["busy_ms"] == pytest.approx(sum(e["ms"] for e in predicted["classes"].values()))
+    assert predicted["step_ms"] >= predicted["busy_ms"] > 0
+    refused = subprocess.run([sys.executable, str(ROOT / "bench" / "step_classes.py"), "--profile", "h100", *shape],
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "--predict" in refused.stderr
+
+
 def test_predict_only_runs_no_kernel_of_a_compiled_graph_yet_times_and_allocates_it_as_the_full_run():
     """A compiled graph's generated code runs its host kernels in a full run (they write its
     output's 512 MiB, which the process then holds); under --predict-only it allocates the same
