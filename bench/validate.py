@@ -52,7 +52,11 @@ def predict(cases: list[dict]) -> list[float]:
             else:
                 out.append(peak_mib(case["module"], case["size"]))  # MiB
         elif case["kind"] == "gemm":
-            ns = torch.ops.mirage.clock_predict_gemm_ns(case["m"], case["n"], case["k"], getattr(torch, case["dtype"]))
+            # "tf32": a float32 GEMM with TF32 allowed (torch.backends.cuda.matmul.allow_tf32), as the source ran it
+            torch.backends.cuda.matmul.allow_tf32 = case["dtype"] == "tf32"
+            dtype = torch.float32 if case["dtype"] == "tf32" else getattr(torch, case["dtype"])
+            ns = torch.ops.mirage.clock_predict_gemm_ns(case["m"], case["n"], case["k"], dtype)
+            torch.backends.cuda.matmul.allow_tf32 = False
             out.append(2 * case["m"] * case["n"] * case["k"] / ns / 1e3)  # TFLOP/s
         elif case["kind"] == "overlap":
             shape = (case["m"], case["n"], case["k"], getattr(torch, case["dtype"]))
