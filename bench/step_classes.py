@@ -35,6 +35,7 @@ from pathlib import Path
 from calibrate import measuring_a_gpu, predict_and_save  # bench/calibrate.py: the same two ends for micro-benchmarks
 
 PREDICTIONS = Path(__file__).with_name("predictions")
+OPS_SHOWN = 20
 
 # Kernel classes by kernel name: CUDA's and ROCm's libraries' names, which clocked mode gives its
 # predicted kernels too. The first class whose pattern matches a name is the kernel's.
@@ -145,7 +146,7 @@ def measure(args: argparse.Namespace) -> dict:
     end.record()
     end.synchronize()
     step_ms = start.elapsed_time(end) / args.steps
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         step()
         torch.cuda.synchronize()
     classes: dict[str, dict] = {label: {"ms": 0.0, "kernels": 0} for label, _ in CLASSES}
@@ -155,7 +156,12 @@ def measure(args: argparse.Namespace) -> dict:
             entry["ms"] += event.device_time / 1e3
             entry["kernels"] += 1
     busy = sum(entry["ms"] for entry in classes.values())
-    return {"step_ms": step_ms, "busy_ms": busy, "classes": classes,
+    # each operator with its input shapes, by the time of the kernels it launched itself: the same
+    # GEMM, attention or norm measured and predicted in place
+    ops = {f"{row.key} {row.input_shapes}": {"ms": row.self_device_time_total / 1e3, "calls": row.count}
+           for row in prof.key_averages(group_by_input_shape=True)
+           if row.device_type == torch.autograd.DeviceType.CPU and row.self_device_time_total > 0}
+    return {"step_ms": step_ms, "busy_ms": busy, "classes": classes, "ops": ops,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
             "config": {k: getattr(args, k) for k in ("layers", "dim", "heads", "kv_heads", "ffn", "vocab", "seq")}}
 
@@ -164,9 +170,9 @@ def compare(measured: dict, predicted: dict) -> list[str]:
     """The table: each class's measured and predicted ms per step and its error (+: predicted slower)."""
     lines = [f"{'':<16} {'measured ms':>12} {'kernels':>8} {'predicted ms':>13} {'kernels':>8} {'error':>8}"]
 
-    def row(label: str, m: float, p: float, mk: str = "", pk: str = "") -> str:
+    def row(label: str, m: float, p: float, mk: str = "", pk: str = "", width: int = 16) -> str:
         error = f"{100 * (p - m) / m:+.1f}%" if m else "-"
-        return f"{label:<16} {m:>12.2f} {mk:>8} {p:>13.2f} {pk:>8} {error:>8}"
+        return f"{label:<{width}} {m:>12.2f} {mk:>8} {p:>13.2f} {pk:>8} {error:>8}"
 
     for label, _ in CLASSES:
         m, p = measured["classes"][label], predicted["classes"][label]
@@ -176,6 +182,11 @@ def compare(measured: dict, predicted: dict) -> list[str]:
     lines.append(row("idle between", measured["step_ms"] - measured["busy_ms"],
                      predicted["step_ms"] - predicted["busy_ms"]))
     lines.append(row("step", measured["step_ms"], predicted["step_ms"]))
+    lines.append(f"the {OPS_SHOWN} operators with the most kernel time, with their input shapes (ms per step):")
+    top = sorted(measured["ops"].items(), key=lambda item: -item[1]["ms"])[:OPS_SHOWN]
+    for key, m in top:
+        p = predicted["ops"].get(key, {"ms": 0.0, "calls": 0})
+        lines.append(f"  {row(key[:72], m['ms'], p['ms'], str(m['calls']), str(p['calls']), width=72)}")
     return lines
 
 
