@@ -20,8 +20,8 @@ The step: Llama 3 8B's layer shapes (dim 4096, 32 heads, 8 KV heads, SwiGLU 1433
 RMSNorm as eager PyTorch computes it), `--layers` of them (4 by default, so it fits one
 80 GB GPU with the 128256-token vocabulary's head and loss), sequence 8192, one sequence,
 bf16 parameters, fused AdamW, no activation checkpointing and no communication: the kernels
-torchtitan's 8B rows run on each GPU, without FSDP. Takes about a minute on a GPU; the
-prediction about as long here.
+torchtitan's 8B rows run on each GPU, without FSDP. Nine steps on a GPU (not yet run on one); the
+prediction takes about 20 s here (`--predict-only`: no kernel runs).
 """
 
 from __future__ import annotations
