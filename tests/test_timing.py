@@ -115,18 +115,22 @@ def test_a_norms_backward_is_two_kernels_that_each_read_the_gradient_and_the_inp
     the first runs. The difference is the second kernel: those two reads, its own results, and a
     kernel's fixed cost (on PyTorch's general path: its tensors differ in size). Under
     --predict-only the gradients not asked for come back undefined, as on a GPU (autograd asks so
-    for a frozen norm's weight); mirage used to fail on them there (2026-12-05)."""
-    run = mirage("run", "--quiet", "--timing", "--predict-only", "--profile", "h100", "--gpus-per-node", "1", "--",
-                 sys.executable, str(WORKLOAD), "norm_backward")
-    assert run.returncode == 0, run.stderr
-    timed, m = last_json(run.stdout), model("h100")
+    for a frozen norm's weight); mirage used to fail on them there (2026-12-05). A full run times
+    them alike (until 2026-12-06 it timed the first kernel alone: the op path kept a call's
+    arguments only for ops with a FLOP formula)."""
+    m = model("h100")
     general_bytes_per_ns = m["memory_bandwidth_gbs"] * m["memory_efficiency_general"]
     n, fixed_ns = 4096, m["kernel_overhead_us"] * 1e3
     reread = 2 * n * n * 2  # the output's gradient and the input, bf16
-    for norm, weight_results in (("layer_norm", 2), ("rms_norm", 1)):
-        second_kernel_ns = (reread + weight_results * n * 2) / general_bytes_per_ns + fixed_ns
-        difference = timed[f"{norm}_ms"] - timed[f"{norm}_input_only_ms"]
-        assert difference == pytest.approx(second_kernel_ns / 1e6, rel=1e-2), norm
+    for mode in (["--predict-only"], []):
+        run = mirage("run", "--quiet", "--timing", *mode, "--profile", "h100", "--gpus-per-node", "1", "--",
+                     sys.executable, str(WORKLOAD), "norm_backward")
+        assert run.returncode == 0, run.stderr
+        timed = last_json(run.stdout)
+        for norm, weight_results in (("layer_norm", 2), ("rms_norm", 1)):
+            second_kernel_ns = (reread + weight_results * n * 2) / general_bytes_per_ns + fixed_ns
+            difference = timed[f"{norm}_ms"] - timed[f"{norm}_input_only_ms"]
+            assert difference == pytest.approx(second_kernel_ns / 1e6, rel=1e-2), (norm, mode)
 
 
 def test_kernels_a_gpu_fuses_are_one_kernel_and_a_beta_zero_gemm_does_not_read_its_input():
@@ -136,7 +140,9 @@ def test_kernels_a_gpu_fuses_are_one_kernel_and_a_beta_zero_gemm_does_not_read_i
     2026-12-06 on Megatron's attention dropout, 3.4x its time). A softmax that widens bf16 to float
     (F.softmax(x, dim, dtype=torch.float32), as Hugging Face's eager attention calls it) is one
     CUDA kernel reading bf16 and writing float, its backward one reading float and writing bf16:
-    mirage's conversions around PyTorch's float kernel were timed as kernels of their own.
+    mirage's conversions around PyTorch's float kernel were timed as kernels of their own. Every
+    softmax backward on CUDA is two kernels (SoftMax.cu multiplies the gradient by the output
+    first, then runs the backward kernel on that product and the output), log-softmax's one.
     SyncBatchNorm's kernels and the fused LSTM cell, CUDA-only kernels mirage writes as ATen ops,
     were timed as those ops (batch_norm_elemt: four passes over the input where CUDA makes one).
     Megatron's fused causal softmax,
@@ -150,13 +156,16 @@ def test_kernels_a_gpu_fuses_are_one_kernel_and_a_beta_zero_gemm_does_not_read_i
     timed, m = last_json(run.stdout), model("h100")
     bytes_per_ns, fixed_ns = m["memory_bandwidth_gbs"] * m["memory_efficiency"], m["kernel_overhead_us"] * 1e3
 
-    def ms(moved: float) -> float:
-        return (moved / bytes_per_ns + fixed_ns) / 1e6
+    def ms(moved: float, kernels: int = 1) -> float:
+        return (moved / bytes_per_ns + kernels * fixed_ns) / 1e6
 
     elements = 4096 * 4096
     assert timed["dropout_ms"] == pytest.approx(ms(elements * (2 + 2 + 1)), rel=1e-3)
     assert timed["half_to_float_ms"] == pytest.approx(ms(elements * (2 + 4)), rel=1e-3)  # bf16 in, float out
-    assert timed["half_to_float_backward_ms"] == pytest.approx(ms(elements * (4 + 4 + 2)), rel=1e-3)
+    # the product (float gradient x float output -> float), then the backward kernel (product and output in, bf16 out)
+    assert timed["half_to_float_backward_ms"] == pytest.approx(ms(elements * (4 + 4 + 4 + 4 + 4 + 2), 2), rel=1e-3)
+    assert timed["softmax_backward_bf16_ms"] == pytest.approx(ms(elements * (2 + 2 + 2 + 2 + 2 + 2), 2), rel=1e-3)
+    assert timed["log_softmax_backward_bf16_ms"] == pytest.approx(ms(elements * (2 + 2 + 2)), rel=1e-3)
     assert timed["half_to_float_dtype"] == "torch.float32" and timed["half_to_float_backward_dtype"] == "torch.bfloat16"
     assert timed["half_to_float_error"] < 1e-6
     images, channel = 16 * 64 * 64 * 64 * 4, 64 * 4  # float32

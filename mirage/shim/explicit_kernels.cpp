@@ -203,8 +203,9 @@ static bool no_cudnn_ctc_loss_tensor(const at::Tensor&, const at::Tensor&, const
 // float gradients for a half input (input_dtype), returns the half gradient as CUDA does. CUDA
 // converts inside its one kernel (aten/src/ATen/native/cuda/SoftMax.cu), which reads the half
 // input and writes the float result (the backward: the float gradient and output in, the half
-// gradient out): so the ops that compute it here are timed as that one kernel, and under
-// --predict-only only its result is made. Everything else: the CPU kernel.
+// gradient out, after softmax's product kernel, op_cost.h): so the ops that compute it here are
+// timed as those kernels, and under --predict-only only its result is made. Everything else: the
+// CPU kernel.
 static void softmax_half_to_float(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   const size_t num_args = op.schema().arguments().size();
   c10::IValue* arg = &(*stack)[stack->size() - num_args];
@@ -221,10 +222,12 @@ static void softmax_half_to_float(const c10::OperatorHandle& op, c10::DispatchKe
     TORCH_CHECK(first.scalar_type() == at::kFloat && (result_dtype == at::kHalf || result_dtype == at::kBFloat16),
                 "expected input and grad types to match, or input to be at::Half and grad to be at::Float");
   }
-  int64_t bytes = 0;  // what the one kernel reads
+  int64_t bytes = 0;  // what the kernel reads
   for (size_t i = 0; i < num_args; ++i) {
     if (arg[i].isTensor()) bytes += moved(arg[i].toTensor());
   }
+  const FurtherKernels product = op.schema().name() == "aten::_softmax_backward_data"
+                                     ? softmax_backward_product(first, arg[1].toTensor()) : FurtherKernels{};
   auto compute = [&]() {
     if (predict_only()) {  // shapes and time only, as the op path predicts a kernel
       at::Tensor result = at::empty(first.sizes(), first.options().dtype(result_dtype));
@@ -247,7 +250,8 @@ static void softmax_half_to_float(const c10::OperatorHandle& op, c10::DispatchKe
   const HostTimedFusedKernel profiled(kernel, op.schema().name().c_str(), dev, first.scalar_type());
   compute();
   if (timing() && kernel.outermost) {
-    clock_memory_kernel(op.schema().name().c_str(), dev, bytes + moved(stack->back().toTensor()), first.scalar_type());
+    clock_memory_kernel(op.schema().name().c_str(), dev, bytes + moved(stack->back().toTensor()) + product.bytes,
+                        first.scalar_type(), 1 + product.kernels);
   }
 }
 

@@ -223,18 +223,27 @@ KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, GemmSh
 }
 
 bool has_further_kernels(const c10::FunctionSchema& schema) {
-  static const std::unordered_set<std::string> norm_backwards{"aten::native_layer_norm_backward",
-                                                              "aten::_fused_rms_norm_backward"};
-  return norm_backwards.count(schema.name()) != 0;
+  static const std::unordered_set<std::string> several{"aten::native_layer_norm_backward",
+                                                       "aten::_fused_rms_norm_backward", "aten::_softmax_backward_data"};
+  return several.count(schema.name()) != 0;
 }
 
-FurtherKernels further_kernels(const std::vector<c10::IValue>& args, const c10::IValue* results, size_t num_results) {
+FurtherKernels softmax_backward_product(const at::Tensor& grad_output, const at::Tensor& output) {
+  const auto product = static_cast<int64_t>(grad_output.numel()) *
+                       static_cast<int64_t>(c10::elementSize(c10::promoteTypes(grad_output.scalar_type(), output.scalar_type())));
+  // the product is written by the first kernel and read by the second, which reads the output again
+  return {2 * product + static_cast<int64_t>(output.numel() * output.itemsize()), 1};
+}
+
+FurtherKernels further_kernels(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
+                               const c10::IValue* results, size_t num_results) {
   if (args.size() < 2 || !args[0].isTensor() || !args[1].isTensor()) return {};
-  bool weight_gradient = false;  // the second kernel runs for the weight's or the bias's gradient
+  const at::Tensor& grad_out = args[0].toTensor();
+  if (schema.name() == "aten::_softmax_backward_data") return softmax_backward_product(grad_out, args[1].toTensor());
+  bool weight_gradient = false;  // a norm's second kernel runs for the weight's or the bias's gradient
   for (size_t i = 1; i < num_results; ++i)
     weight_gradient = weight_gradient || (results[i].isTensor() && results[i].toTensor().defined());
   if (!weight_gradient) return {};
-  const at::Tensor& grad_out = args[0].toTensor();
   const at::Tensor& input = args[1].toTensor();
   return {static_cast<int64_t>(grad_out.numel() * grad_out.itemsize() + input.numel() * input.itemsize()), 1};
 }
@@ -335,8 +344,8 @@ void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs
                 first.scalar_type());
 }
 
-void clock_memory_kernel(const char* name, DeviceIndex dev, int64_t bytes, at::ScalarType dtype) {
-  const KernelCost cost = kernel_cost(0, bytes, dtype, {});
+void clock_memory_kernel(const char* name, DeviceIndex dev, int64_t bytes, at::ScalarType dtype, int kernels) {
+  const KernelCost cost = kernel_cost(0, bytes, dtype, {}, ComputeKind::kGemm, false, kernels);
   run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, name, bytes, 0, &cost.beside, dtype);
 }
 

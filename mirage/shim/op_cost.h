@@ -119,15 +119,20 @@ KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, GemmSh
 // further kernels read again, and how many there are. LayerNorm's and RMSNorm's backward
 // (aten/src/ATen/native/cuda/layer_norm_kernel.cu, LayerNormBackwardKernelImplInternal) compute
 // the input's gradient in one kernel and the weight's (and bias's) in another, and each reads the
-// output's gradient and the input.
+// output's gradient and the input. Softmax's backward (aten/src/ATen/native/cuda/SoftMax.cu,
+// softmax_backward_cuda_out) first multiplies the output's gradient by the output in a kernel of
+// its own, then runs the backward kernel on that product and the output (log-softmax's does not).
 struct FurtherKernels {
   int64_t bytes = 0;
   int kernels = 0;
 };
 // Whether `schema` is such an operator (read once per operator: the op path keeps it in its traits).
 bool has_further_kernels(const c10::FunctionSchema& schema);
-// Its further kernels for one call (none when the call asks for no weight or bias gradient).
-FurtherKernels further_kernels(const std::vector<c10::IValue>& args, const c10::IValue* results, size_t num_results);
+// Its further kernels for one call (a norm's: none when the call asks for no weight or bias gradient).
+FurtherKernels further_kernels(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
+                               const c10::IValue* results, size_t num_results);
+// Softmax's backward's product kernel: the product written and read again, the output read again.
+FurtherKernels softmax_backward_product(const at::Tensor& grad_output, const at::Tensor& output);
 // A copy within device memory (read and write: a memory-bound kernel). `general`: one PyTorch
 // cannot do as one memcpy or vectorized kernel (a strided side, a broadcast source).
 KernelCost device_copy_cost(int64_t bytes, bool general = false);
@@ -163,8 +168,9 @@ void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs
 
 // A kernel without FLOPs that mirage computes as several ops (CUDA's fused dropout, a widening
 // softmax, SyncBatchNorm's kernels, an extension's kernel a workload stands in for): its place
-// on the timeline as one kernel named `name` moving `bytes`. Call with a KernelScope held around
-// its ops, and only when that scope is the outermost. `name` must outlive the process's trace.
-void clock_memory_kernel(const char* name, DeviceIndex dev, int64_t bytes, at::ScalarType dtype);
+// on the timeline as one kernel named `name` moving `bytes` (or `kernels` back to back, each
+// paying a kernel's fixed cost). Call with a KernelScope held around its ops, and only when that
+// scope is the outermost. `name` must outlive the process's trace.
+void clock_memory_kernel(const char* name, DeviceIndex dev, int64_t bytes, at::ScalarType dtype, int kernels = 1);
 
 }  // namespace mirage

@@ -160,7 +160,7 @@ static void clock_kernel(const c10::OperatorHandle& op, const OpTraits& traits, 
     gemm = gemm_shape(op.schema(), arguments, results, traits.num_returns);
   }
   const FurtherKernels further =
-      traits.has_further_kernels ? further_kernels(arguments, results, traits.num_returns) : FurtherKernels{};
+      traits.has_further_kernels ? further_kernels(op.schema(), arguments, results, traits.num_returns) : FurtherKernels{};
   traffic.bytes += further.bytes;
   const KernelCost cost =
       kernel_cost(flops, traffic.bytes, dtype, gemm, ComputeKind::kGemm, traffic.general, 1 + further.kernels);
@@ -304,13 +304,13 @@ struct OpCall {
   c10::SmallVector<bool, 8> aliased_written;  // --check-races: whether the kernel writes aliased[i]
   DeviceIndex device = -1;
   KernelTraffic traffic;                // what the kernel reads and writes (clocked mode)
-  std::vector<c10::IValue> arguments;   // kept for the FLOP formula (clocked mode)
+  std::vector<c10::IValue> arguments;   // kept for the FLOP formula and further kernels (clocked mode)
 
   // Replaces every device tensor among the arguments with its CPU alias, checking that all are on
   // one device as PyTorch does; gives the CPU kernel the device's generator where it takes one.
   void alias_arguments() {
     const size_t base = stack->size() - traits.num_args;
-    if (C10_UNLIKELY(traits.has_flops)) arguments.assign(stack->begin() + base, stack->end());
+    if (C10_UNLIKELY(traits.has_flops || traits.has_further_kernels)) arguments.assign(stack->begin() + base, stack->end());
     bool has_cpu_tensor = false;
     const bool count_bytes = timing();
     const bool check_races = races::on();
