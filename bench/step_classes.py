@@ -40,7 +40,7 @@ OPS_SHOWN = 20
 # Kernel classes by kernel name: CUDA's and ROCm's libraries' names, which clocked mode gives its
 # predicted kernels too. The first class whose pattern matches a name is the kernel's.
 CLASSES = [
-    ("attention", re.compile(r"flash|fmha|attn|attention", re.I)),
+    ("attention", re.compile(r"flash|fmha|attn|attention|bwd_kernel_d[kq]", re.I)),  # (AOTriton's bwd_kernel_dk_dv)
     ("gemm", re.compile(r"gemm|gemv|splitKreduce|cutlass|nvjet|xmma|sm\d\d_|Cijk_|wvSplitK", re.I)),
     ("collective", re.compile(r"nccl|rccl", re.I)),
     ("optimizer", re.compile(r"multi_tensor|adam", re.I)),

@@ -364,23 +364,24 @@ def test_the_gpu_check_splits_a_predicted_step_into_the_kernel_classes_a_cuda_pr
     GEMMs (forward, input and weight gradients), one fused attention kernel each way per layer, the
     fused AdamW, RMSNorm's and the loss's conversions among the copies; the classes add up to the
     kernels' time, and so do the operators (each with its input shapes) that launched them. Without a GPU, measuring is refused and says what to run instead."""
-    saved = tmp_path / "prediction.json"
     shape = ["--layers", "2", "--dim", "256", "--heads", "4", "--kv-heads", "2", "--ffn", "512", "--vocab", "1000",
              "--seq", "256"]
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "step_classes.py"), "--predict", "--profile", "h100",
-                          "--output", str(saved), *shape], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr
-    predicted = json.loads(saved.read_text())
-    classes = {label: entry["kernels"] for label, entry in predicted["classes"].items()}
-    assert classes["gemm"] == 2 * 7 * 3 + 3  # seven linears a layer and the output head, three GEMMs each
-    assert classes["attention"] == 2 * 2 and classes["optimizer"] == 1 and classes["collective"] == 0
-    assert classes["copy"] > 0 and classes["memory-bound"] > 0
-    assert predicted["busy_ms"] == pytest.approx(sum(e["ms"] for e in predicted["classes"].values()))
-    # the same kernels by operator and input shapes: every GEMM kernel is an aten::mm's
-    mm_calls = sum(op["calls"] for key, op in predicted["ops"].items() if key.startswith("aten::mm "))
-    assert mm_calls == classes["gemm"]
-    assert sum(op["ms"] for op in predicted["ops"].values()) == pytest.approx(predicted["busy_ms"], rel=1e-6)
-    assert predicted["step_ms"] >= predicted["busy_ms"] > 0
+    for profile in ("h100", "mi300x"):  # cuBLAS and FlashAttention-2's kernel names; hipBLASLt's and AOTriton's
+        saved = tmp_path / f"{profile}.json"
+        run = subprocess.run([sys.executable, str(ROOT / "bench" / "step_classes.py"), "--predict", "--profile",
+                              profile, "--output", str(saved), *shape], capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr
+        predicted = json.loads(saved.read_text())
+        classes = {label: entry["kernels"] for label, entry in predicted["classes"].items()}
+        assert classes["gemm"] == 2 * 7 * 3 + 3, profile  # seven linears a layer and the head, three GEMMs each
+        assert classes["attention"] == 2 * 2 and classes["optimizer"] == 1 and classes["collective"] == 0, profile
+        assert classes["copy"] > 0 and classes["memory-bound"] > 0
+        assert predicted["busy_ms"] == pytest.approx(sum(e["ms"] for e in predicted["classes"].values()))
+        # the same kernels by operator and input shapes: every GEMM kernel is an aten::mm's
+        mm_calls = sum(op["calls"] for key, op in predicted["ops"].items() if key.startswith("aten::mm "))
+        assert mm_calls == classes["gemm"]
+        assert sum(op["ms"] for op in predicted["ops"].values()) == pytest.approx(predicted["busy_ms"], rel=1e-6)
+        assert predicted["step_ms"] >= predicted["busy_ms"] > 0
     refused = subprocess.run([sys.executable, str(ROOT / "bench" / "step_classes.py"), "--profile", "h100", *shape],
                              capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "--predict" in refused.stderr
