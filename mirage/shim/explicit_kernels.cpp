@@ -226,8 +226,8 @@ static void softmax_half_to_float(const c10::OperatorHandle& op, c10::DispatchKe
   for (size_t i = 0; i < num_args; ++i) {
     if (arg[i].isTensor()) bytes += moved(arg[i].toTensor());
   }
-  const FurtherKernels product = op.schema().name() == "aten::_softmax_backward_data"
-                                     ? softmax_backward_product(first, arg[1].toTensor()) : FurtherKernels{};
+  const ImplementationTraffic product = op.schema().name() == "aten::_softmax_backward_data"
+                                     ? softmax_backward_product(first, arg[1].toTensor()) : ImplementationTraffic{};
   auto compute = [&]() {
     if (predict_only()) {  // shapes and time only, as the op path predicts a kernel
       at::Tensor result = at::empty(first.sizes(), first.options().dtype(result_dtype));

@@ -222,30 +222,39 @@ KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, GemmSh
           Beside{shared, memory, fixed}};
 }
 
-bool has_further_kernels(const c10::FunctionSchema& schema) {
-  static const std::unordered_set<std::string> several{"aten::native_layer_norm_backward",
-                                                       "aten::_fused_rms_norm_backward", "aten::_softmax_backward_data"};
-  return several.count(schema.name()) != 0;
+bool has_implementation_traffic(const c10::FunctionSchema& schema) {
+  static const std::unordered_set<std::string> noted{"aten::native_layer_norm_backward", "aten::_fused_rms_norm_backward",
+                                                     "aten::_softmax_backward_data", "aten::nll_loss_forward",
+                                                     "aten::nll_loss_backward"};
+  return noted.count(schema.name()) != 0;
 }
 
-FurtherKernels softmax_backward_product(const at::Tensor& grad_output, const at::Tensor& output) {
+static int64_t bytes_of(const at::Tensor& t) { return static_cast<int64_t>(t.numel() * t.itemsize()); }
+
+ImplementationTraffic softmax_backward_product(const at::Tensor& grad_output, const at::Tensor& output) {
   const auto product = static_cast<int64_t>(grad_output.numel()) *
                        static_cast<int64_t>(c10::elementSize(c10::promoteTypes(grad_output.scalar_type(), output.scalar_type())));
   // the product is written by the first kernel and read by the second, which reads the output again
-  return {2 * product + static_cast<int64_t>(output.numel() * output.itemsize()), 1};
+  return {2 * product + bytes_of(output), 1};
 }
 
-FurtherKernels further_kernels(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
+ImplementationTraffic implementation_traffic(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
                                const c10::IValue* results, size_t num_results) {
   if (args.size() < 2 || !args[0].isTensor() || !args[1].isTensor()) return {};
   const at::Tensor& grad_out = args[0].toTensor();
   if (schema.name() == "aten::_softmax_backward_data") return softmax_backward_product(grad_out, args[1].toTensor());
+  if (schema.name() == "aten::nll_loss_forward") {  // (self, target, ...): one entry of self per target
+    const at::Tensor& self = args[0].toTensor();
+    return {args[1].toTensor().numel() * static_cast<int64_t>(self.itemsize()) - bytes_of(self), 0};
+  }
+  // (grad_output, self, ...): self unread; the gradient's zero fill, then a small kernel at the targets
+  if (schema.name() == "aten::nll_loss_backward") return {-bytes_of(args[1].toTensor()), 1, true};
   bool weight_gradient = false;  // a norm's second kernel runs for the weight's or the bias's gradient
   for (size_t i = 1; i < num_results; ++i)
     weight_gradient = weight_gradient || (results[i].isTensor() && results[i].toTensor().defined());
   if (!weight_gradient) return {};
   const at::Tensor& input = args[1].toTensor();
-  return {static_cast<int64_t>(grad_out.numel() * grad_out.itemsize() + input.numel() * input.itemsize()), 1};
+  return {bytes_of(grad_out) + bytes_of(input), 1};
 }
 
 KernelCost device_copy_cost(int64_t bytes, bool general) {

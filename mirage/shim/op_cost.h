@@ -115,24 +115,29 @@ struct GemmShape {
 KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, GemmShape gemm,
                        ComputeKind compute = ComputeKind::kGemm, bool general = false, int kernels = 1);
 
-// An operator whose CUDA implementation is more than one kernel over the same tensors: what its
-// further kernels read again, and how many there are. LayerNorm's and RMSNorm's backward
+// An operator whose CUDA implementation moves other bytes than its arguments and results, or
+// runs more than one kernel over them: what it moves beyond them (negative where it leaves an
+// argument unread) and its kernels beyond the first. LayerNorm's and RMSNorm's backward
 // (aten/src/ATen/native/cuda/layer_norm_kernel.cu, LayerNormBackwardKernelImplInternal) compute
 // the input's gradient in one kernel and the weight's (and bias's) in another, and each reads the
 // output's gradient and the input. Softmax's backward (aten/src/ATen/native/cuda/SoftMax.cu,
 // softmax_backward_cuda_out) first multiplies the output's gradient by the output in a kernel of
 // its own, then runs the backward kernel on that product and the output (log-softmax's does not).
-struct FurtherKernels {
+// NLL loss (aten/src/ATen/native/cuda/Loss.cu) reads the input only at the targets' classes, and
+// its backward never reads it: it zeroes the input's gradient (a fill kernel) and writes the
+// targets' entries.
+struct ImplementationTraffic {
   int64_t bytes = 0;
   int kernels = 0;
+  bool vectorized = false;  // its bulk is a vectorized kernel (a fill) whatever its arguments' shapes
 };
 // Whether `schema` is such an operator (read once per operator: the op path keeps it in its traits).
-bool has_further_kernels(const c10::FunctionSchema& schema);
-// Its further kernels for one call (a norm's: none when the call asks for no weight or bias gradient).
-FurtherKernels further_kernels(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
-                               const c10::IValue* results, size_t num_results);
+bool has_implementation_traffic(const c10::FunctionSchema& schema);
+// Its traffic for one call (a norm's: none when the call asks for no weight or bias gradient).
+ImplementationTraffic implementation_traffic(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
+                                             const c10::IValue* results, size_t num_results);
 // Softmax's backward's product kernel: the product written and read again, the output read again.
-FurtherKernels softmax_backward_product(const at::Tensor& grad_output, const at::Tensor& output);
+ImplementationTraffic softmax_backward_product(const at::Tensor& grad_output, const at::Tensor& output);
 // A copy within device memory (read and write: a memory-bound kernel). `general`: one PyTorch
 // cannot do as one memcpy or vectorized kernel (a strided side, a broadcast source).
 KernelCost device_copy_cost(int64_t bytes, bool general = false);

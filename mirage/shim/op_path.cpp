@@ -60,7 +60,7 @@ struct OpTraits {
   bool is_mutable = false;
   bool returns_view = false;   // its result aliases an argument (no kernel on a GPU)
   bool has_flops = false;      // torch.utils.flop_counter has its formula (clocked mode)
-  bool has_further_kernels = false;  // its CUDA implementation is several kernels (clocked mode, op_cost.h)
+  bool has_implementation_traffic = false;  // its CUDA kernels move other bytes, or are several (clocked mode, op_cost.h)
   bool synchronizes = false;   // a GPU's host waits for it (.item(), nonzero's output size)
   c10::SmallVector<uint32_t, 2> generator_args;  // Generator? arguments, which the CPU kernel must get
   // Arguments it writes that no result returns (a foreach_*_ op, a fused optimizer step: they
@@ -101,7 +101,7 @@ static const OpTraits& traits_of(const c10::FunctionSchema& schema) {
     traits.synchronizes = synchronizing.count(schema.name()) != 0;
     if (timing()) {
       traits.has_flops = has_flop_formula(schema);
-      traits.has_further_kernels = has_further_kernels(schema);
+      traits.has_implementation_traffic = has_implementation_traffic(schema);
     }
   }
   return traits;
@@ -159,11 +159,13 @@ static void clock_kernel(const c10::OperatorHandle& op, const OpTraits& traits, 
     flops = flop_count(op, arguments, results, traits.num_returns);
     gemm = gemm_shape(op.schema(), arguments, results, traits.num_returns);
   }
-  const FurtherKernels further =
-      traits.has_further_kernels ? further_kernels(op.schema(), arguments, results, traits.num_returns) : FurtherKernels{};
-  traffic.bytes += further.bytes;
+  const ImplementationTraffic cuda = traits.has_implementation_traffic
+                                         ? implementation_traffic(op.schema(), arguments, results, traits.num_returns)
+                                         : ImplementationTraffic{};
+  traffic.bytes = std::max<int64_t>(traffic.bytes + cuda.bytes, 0);
+  if (cuda.vectorized) traffic.general = false;
   const KernelCost cost =
-      kernel_cost(flops, traffic.bytes, dtype, gemm, ComputeKind::kGemm, traffic.general, 1 + further.kernels);
+      kernel_cost(flops, traffic.bytes, dtype, gemm, ComputeKind::kGemm, traffic.general, 1 + cuda.kernels);
   const int64_t end = run_on_stream(device, tl_stream[device], cost.ns, cost.kind, op.schema().name().c_str(),
                                     traffic.bytes, flops, &cost.beside, dtype);
   if (traits.synchronizes) host_waits_for(end);
@@ -304,13 +306,13 @@ struct OpCall {
   c10::SmallVector<bool, 8> aliased_written;  // --check-races: whether the kernel writes aliased[i]
   DeviceIndex device = -1;
   KernelTraffic traffic;                // what the kernel reads and writes (clocked mode)
-  std::vector<c10::IValue> arguments;   // kept for the FLOP formula and further kernels (clocked mode)
+  std::vector<c10::IValue> arguments;   // kept for the FLOP formula and implementation traffic (clocked mode)
 
   // Replaces every device tensor among the arguments with its CPU alias, checking that all are on
   // one device as PyTorch does; gives the CPU kernel the device's generator where it takes one.
   void alias_arguments() {
     const size_t base = stack->size() - traits.num_args;
-    if (C10_UNLIKELY(traits.has_flops || traits.has_further_kernels)) arguments.assign(stack->begin() + base, stack->end());
+    if (C10_UNLIKELY(traits.has_flops || traits.has_implementation_traffic)) arguments.assign(stack->begin() + base, stack->end());
     bool has_cpu_tensor = false;
     const bool count_bytes = timing();
     const bool check_races = races::on();

@@ -134,6 +134,22 @@ def norm_backward() -> None:
     }))
 
 
+def nll_loss() -> None:
+    """NLL loss over a 4096 x 50368 bf16 log-probability matrix (a language model's loss after its
+    log-softmax), forward and backward, with the loss it computes checked."""
+    rows, classes = 4096, 50368
+    log_probs = torch.log_softmax(torch.randn(rows, classes, device="cuda", dtype=torch.bfloat16), -1)
+    target = torch.randint(0, classes, (rows,), device="cuda")
+    loss, total_weight = torch.ops.aten.nll_loss_forward(log_probs, target, None, 1, -100)
+    one = torch.ones((), device="cuda", dtype=torch.bfloat16)
+    print(json.dumps({
+        "loss": loss.float().item(), "reference": -log_probs.float()[torch.arange(rows), target].mean().item(),
+        "forward_ms": timed(lambda: torch.ops.aten.nll_loss_forward(log_probs, target, None, 1, -100)),
+        "backward_ms": timed(lambda: torch.ops.aten.nll_loss_backward(one, log_probs, target, None, 1, -100,
+                                                                      total_weight)),
+    }))
+
+
 def fused() -> None:
     """Kernels a GPU runs as one that mirage computes as several ops: dropout (CUDA's fused
     dropout kernel), a softmax that widens half to float (and its backward, which narrows),
@@ -437,4 +453,4 @@ def compiled_kernels() -> None:
     print(json.dumps(times))
 
 
-{"gemm": gemm, "compiled": compiled, "compiled_kernels": compiled_kernels, "attention": attention, "flex": flex, "inplace": inplace, "general": general, "norm_backward": norm_backward, "fused": fused, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
+{"gemm": gemm, "compiled": compiled, "compiled_kernels": compiled_kernels, "attention": attention, "flex": flex, "inplace": inplace, "general": general, "norm_backward": norm_backward, "nll_loss": nll_loss, "fused": fused, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
