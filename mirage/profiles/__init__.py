@@ -45,6 +45,12 @@ class Profile:
     # The memory interface's width (bits): with memory_bandwidth_gbs it gives the memory clock
     # Triton's driver reports (runtime/triton_driver.py); 0 where a user's profile leaves it out.
     memory_bus_width_bits: int = 0
+    # What the runtime reports as sharedMemPerBlock and warpSize (CUDA: 48 KiB and 32 on every
+    # NVIDIA GPU since Kepler; HIP: 64 KiB of LDS and wavefronts of 64 on CDNA): torch's
+    # device properties, and which of SoftMax.cu's kernels a row fits (clocked mode's model).
+    # 0 where a user's profile leaves them out: the vendor's value (_check).
+    shared_memory_per_block: int = 0
+    warp_size: int = 0
     peak_tflops: dict[str, float] = field(default_factory=dict)
     # Clocked mode's model: [timing] key -> {value, kind, source}, and [timing.inputs]: where the
     # profile's own figures the model reads come from (see TIMING_KEYS, timing_model).
@@ -87,10 +93,12 @@ _FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "board_power_watts": ((int, float), "a positive number"),
     "context_bytes": ((int,), "an integer >= 0"),
     "memory_bus_width_bits": ((int,), "a positive integer (the memory interface's width in bits)"),
+    "shared_memory_per_block": ((int,), "a positive integer (bytes of shared memory a kernel's block may use)"),
+    "warp_size": ((int,), "a positive integer (threads a warp or wavefront runs together)"),
     "peak_tflops": ((dict,), "a table of dtype = TFLOP/s"),
     "timing": ((dict,), "a table of clocked mode's numbers (see mirage/profiles/data/h100.toml)"),
 }
-_OPTIONAL = {"timing", "memory_bus_width_bits"}
+_OPTIONAL = {"timing", "memory_bus_width_bits", "shared_memory_per_block", "warp_size"}
 
 # Clocked mode's own numbers, each a [timing] entry {value, kind, source}.
 TIMING_KEYS: dict[str, str] = {
@@ -123,8 +131,8 @@ TIMING_KEYS: dict[str, str] = {
     "nic_latency_us": "added per doubling of nodes",
 }
 # The profile's own figures the model reads, as model keys.
-TIMING_INPUTS = ("memory_bandwidth_gbs", "link_bandwidth_gbs", "compute_units", "peak_tflops.bf16",
-                 "peak_tflops.fp16", "peak_tflops.fp8", "peak_tflops.fp32", "peak_tflops.tf32")
+TIMING_INPUTS = ("memory_bandwidth_gbs", "link_bandwidth_gbs", "compute_units", "shared_memory_per_block", "warp_size",
+                 "peak_tflops.bf16", "peak_tflops.fp16", "peak_tflops.fp8", "peak_tflops.fp32", "peak_tflops.tf32")
 PROVENANCE_KINDS = ("published", "derived", "measured", "assumed")
 
 
@@ -158,8 +166,11 @@ def _check(path: Path, data: dict) -> Profile:
         raise bad("clock_ghz")
     if data["context_bytes"] < 0:
         raise bad("context_bytes")
-    if data.get("memory_bus_width_bits", 1) <= 0:
-        raise bad("memory_bus_width_bits")
+    for name in ("memory_bus_width_bits", "shared_memory_per_block", "warp_size"):
+        if data.get(name, 1) <= 0:
+            raise bad(name)
+    amd = data["vendor"] == "amd"
+    data = {"shared_memory_per_block": 65536 if amd else 49152, "warp_size": 64 if amd else 32, **data}
     if not 1 <= data["gpus_per_node"] <= 64:
         raise bad("gpus_per_node")
     peaks = data["peak_tflops"]

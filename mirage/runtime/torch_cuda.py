@@ -36,9 +36,9 @@ class DeviceProperties:
         self.is_integrated = False
         self.is_multi_gpu_board = profile.name == "mi250x"
         self.max_threads_per_multi_processor = 2048
-        self.warp_size = 64 if profile.is_amd else 32
+        self.warp_size = profile.warp_size
         self.regs_per_multiprocessor = 65536
-        self.shared_memory_per_block = 65536 if profile.is_amd else 49152
+        self.shared_memory_per_block = profile.shared_memory_per_block
         self.L2_cache_size = 4 * 2**20 if profile.is_amd else 50 * 2**20
         self.clock_rate = int(profile.clock_ghz * 1e6)  # kHz, as CUDA reports it
         self.gcnArchName = profile.arch if profile.is_amd else "NVIDIA CUDA"
