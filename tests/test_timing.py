@@ -161,6 +161,38 @@ def test_nll_loss_reads_the_input_at_the_targets_and_its_backward_fills_the_grad
             assert timed["loss"] == pytest.approx(timed["reference"], rel=1e-2)
 
 
+@pytest.mark.parametrize("name", ["h100", "mi300x"])
+def test_softmax_reads_a_row_again_where_it_fits_neither_registers_nor_shared_memory(name):
+    """CUDA's softmax and log-softmax (aten/src/ATen/native/cuda/SoftMax.cu) keep a row in
+    registers (up to 9 x 1024 elements) or in a block's shared memory (sharedMemPerBlock: 48 KiB
+    on NVIDIA, 64 KiB on AMD) and read it from memory once; a longer row is read three times by
+    the forward (maximum, sum of exponentials, output) and the gradient twice by the backward, and
+    softmax over another dim than the last (the spatial kernel) always is. A language model's loss
+    over 32k-128k float classes is such a row: Liger-Kernel's published A100 timings of eager cross
+    entropy take four passes over 65536 float classes, two over 4096-8192 (docs/validation.md).
+    mirage read every row once. 12288 floats fit an AMD block's shared memory, not an NVIDIA
+    one's. Full runs and --predict-only alike."""
+    m = model(name)
+    bytes_per_ns, fixed_ns = m["memory_bandwidth_gbs"] * m["memory_efficiency"], m["kernel_overhead_us"] * 1e3
+    # case: (elements, bytes per element, forward's extra reads of the input, backward's of the gradient)
+    rereads = {"f32_4096": (2048 * 4096, 4, 0, 0), "f32_16384": (2048 * 16384, 4, 2, 1),
+               "f32_12288": (2048 * 12288, 4, 2 if name == "h100" else 0, 1 if name == "h100" else 0),
+               "bf16_16384": (2048 * 16384, 2, 0, 0), "f32_dim0": (32768 * 64, 4, 2, 1)}
+    for mode in (["--predict-only"], []):
+        run = mirage("run", "--quiet", "--timing", *mode, "--profile", name, "--gpus-per-node", "1", "--",
+                     sys.executable, str(WORKLOAD), "softmax_rows")
+        assert run.returncode == 0, run.stderr
+        timed = last_json(run.stdout)
+        for case, (elements, size, forward_extra, backward_extra) in rereads.items():
+            tensor = elements * size
+            forward_ms = ((2 + forward_extra) * tensor / bytes_per_ns + fixed_ns) / 1e6  # input in, output out
+            backward_ms = ((3 + backward_extra) * tensor / bytes_per_ns + fixed_ns) / 1e6  # gradient, output, result
+            assert timed[case]["forward_ms"] == pytest.approx(forward_ms, rel=1e-3), (case, mode)
+            assert timed[case]["backward_ms"] == pytest.approx(backward_ms, rel=1e-3), (case, mode)
+            if not mode:
+                assert timed[case]["error"] < 1e-2, case
+
+
 def test_kernels_a_gpu_fuses_are_one_kernel_and_a_beta_zero_gemm_does_not_read_its_input():
     """CUDA's dropout is one kernel (fused_dropout_kernel: it reads the input and writes the output
     and a bool mask), which mirage computes as a Bernoulli draw and two multiplies: it was timed as

@@ -226,8 +226,7 @@ static void softmax_half_to_float(const c10::OperatorHandle& op, c10::DispatchKe
   for (size_t i = 0; i < num_args; ++i) {
     if (arg[i].isTensor()) bytes += moved(arg[i].toTensor());
   }
-  const ImplementationTraffic product = op.schema().name() == "aten::_softmax_backward_data"
-                                     ? softmax_backward_product(first, arg[1].toTensor()) : ImplementationTraffic{};
+  const ImplementationTraffic cuda = softmax_traffic(op.schema().name(), arg);
   auto compute = [&]() {
     if (predict_only()) {  // shapes and time only, as the op path predicts a kernel
       at::Tensor result = at::empty(first.sizes(), first.options().dtype(result_dtype));
@@ -250,8 +249,8 @@ static void softmax_half_to_float(const c10::OperatorHandle& op, c10::DispatchKe
   const HostTimedFusedKernel profiled(kernel, op.schema().name().c_str(), dev, first.scalar_type());
   compute();
   if (timing() && kernel.outermost) {
-    clock_memory_kernel(op.schema().name().c_str(), dev, bytes + moved(stack->back().toTensor()) + product.bytes,
-                        first.scalar_type(), 1 + product.kernels);
+    clock_memory_kernel(op.schema().name().c_str(), dev, bytes + moved(stack->back().toTensor()) + cuda.bytes,
+                        first.scalar_type(), 1 + cuda.kernels);
   }
 }
 

@@ -127,6 +127,8 @@ CostModel load_model() {
   m.p2p_bytes_per_ns = link_one_way * need(p, "nccl_bus_efficiency");
   m.gemm_epilogue_share = need(p, "gemm_epilogue_share");
   m.gemm_split_k_min = static_cast<int64_t>(need(p, "gemm_split_k_min"));
+  m.shared_memory_per_block = static_cast<int64_t>(need(p, "shared_memory_per_block"));
+  m.warp_size = static_cast<int64_t>(need(p, "warp_size"));
   read_slowdowns(m);
   return m;
 }
@@ -223,32 +225,72 @@ KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, GemmSh
 }
 
 bool has_implementation_traffic(const c10::FunctionSchema& schema) {
-  static const std::unordered_set<std::string> noted{"aten::native_layer_norm_backward", "aten::_fused_rms_norm_backward",
-                                                     "aten::_softmax_backward_data", "aten::nll_loss_forward",
-                                                     "aten::nll_loss_backward"};
+  static const std::unordered_set<std::string> noted{
+      "aten::native_layer_norm_backward", "aten::_fused_rms_norm_backward", "aten::_softmax", "aten::_log_softmax",
+      "aten::_softmax_backward_data", "aten::_log_softmax_backward_data", "aten::nll_loss_forward",
+      "aten::nll_loss_backward"};
   return noted.count(schema.name()) != 0;
 }
 
 static int64_t bytes_of(const at::Tensor& t) { return static_cast<int64_t>(t.numel() * t.itemsize()); }
 
-ImplementationTraffic softmax_backward_product(const at::Tensor& grad_output, const at::Tensor& output) {
-  const auto product = static_cast<int64_t>(grad_output.numel()) *
-                       static_cast<int64_t>(c10::elementSize(c10::promoteTypes(grad_output.scalar_type(), output.scalar_type())));
+// How many more times than once SoftMax.cu's kernel reads `rows` along `dim` (op_cost.h,
+// softmax_traffic): 0, or the forward's 2 and the backward's 1 where a row fits no faster kernel.
+static int softmax_rereads(const at::Tensor& rows, int64_t dim, bool backward, bool widening) {
+  if (rows.dim() == 0 || rows.numel() == 0) return 0;
+  dim = c10::maybe_wrap_dim(dim, rows.dim());
+  const int passes = backward ? 1 : 2;
+  int64_t inner = 1;
+  for (int64_t d = dim + 1; d < rows.dim(); ++d) inner *= rows.size(d);
+  if (inner != 1) return passes;  // the spatial kernel
+  const CostModel& m = cost_model();
+  const int64_t n = rows.size(dim), element = static_cast<int64_t>(rows.itemsize());
+  const int64_t ilp = std::max<int64_t>(16 / element, 1);  // elements per 16-byte load
+  int64_t block = 1;
+  if (!backward) {
+    if (widening ? n <= 1024 && n * element <= 4096 : n <= 2048 && n * element <= 8192) return 0;  // persistent
+    block = (std::min<int64_t>(n, 1024) + m.warp_size - 1) / m.warp_size * m.warp_size;
+    if (!widening && (n + block - 1) / block < 10) return 0;  // cunn_SoftMaxForwardReg
+  } else {
+    const int64_t grad_input_element = widening ? 2 : element;  // a widening backward returns half
+    if (n <= 1024 && n * grad_input_element <= 4096) return 0;  // persistent
+    const int64_t largest = std::min<int64_t>(n / ilp, 1024) / (ilp > 1 ? 2 : 1);  // SoftMax_getBlockSize
+    while (block < largest) block *= 2;
+    block = std::max(block, m.warp_size);
+  }
+  const int64_t accumulator = rows.scalar_type() == at::kDouble ? 8 : 4;  // a block reduction's per-warp slots
+  const int64_t cached = (m.shared_memory_per_block - block / m.warp_size * accumulator) / element;
+  if (n < cached && n % ilp == 0) return 0;  // cunn_SoftMaxForwardSmem / cunn_SoftMaxBackwardSmem
+  return passes;
+}
+
+ImplementationTraffic softmax_traffic(const std::string& op, const c10::IValue* args) {
+  const at::Tensor& first = args[0].toTensor();  // the input, or the output's gradient
+  if (op == "aten::_softmax" || op == "aten::_log_softmax")  // (self, dim, half_to_float)
+    return {softmax_rereads(first, args[1].toInt(), false, args[2].toBool()) * bytes_of(first), 0};
+  // (grad_output, output, dim, input_dtype): a float gradient for a half input widens
+  const int64_t dim = args[2].toInt();
+  const bool widening = first.scalar_type() != static_cast<at::ScalarType>(args[3].toInt());
+  if (op == "aten::_log_softmax_backward_data") return {softmax_rereads(first, dim, true, widening) * bytes_of(first), 0};
+  const at::Tensor& output = args[1].toTensor();
+  const auto product = static_cast<int64_t>(first.numel()) *
+                       static_cast<int64_t>(c10::elementSize(c10::promoteTypes(first.scalar_type(), output.scalar_type())));
   // the product is written by the first kernel and read by the second, which reads the output again
-  return {2 * product + bytes_of(output), 1};
+  return {(2 + softmax_rereads(first, dim, true, widening)) * product + bytes_of(output), 1};
 }
 
 ImplementationTraffic implementation_traffic(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
-                               const c10::IValue* results, size_t num_results) {
+                                             const c10::IValue* results, size_t num_results) {
+  const std::string& name = schema.name();
+  if (name.find("softmax") != std::string::npos) return softmax_traffic(name, args.data());
   if (args.size() < 2 || !args[0].isTensor() || !args[1].isTensor()) return {};
   const at::Tensor& grad_out = args[0].toTensor();
-  if (schema.name() == "aten::_softmax_backward_data") return softmax_backward_product(grad_out, args[1].toTensor());
-  if (schema.name() == "aten::nll_loss_forward") {  // (self, target, ...): one entry of self per target
+  if (name == "aten::nll_loss_forward") {  // (self, target, ...): one entry of self per target
     const at::Tensor& self = args[0].toTensor();
     return {args[1].toTensor().numel() * static_cast<int64_t>(self.itemsize()) - bytes_of(self), 0};
   }
   // (grad_output, self, ...): self unread; the gradient's zero fill, then a small kernel at the targets
-  if (schema.name() == "aten::nll_loss_backward") return {-bytes_of(args[1].toTensor()), 1, true};
+  if (name == "aten::nll_loss_backward") return {-bytes_of(args[1].toTensor()), 1, true};
   bool weight_gradient = false;  // a norm's second kernel runs for the weight's or the bias's gradient
   for (size_t i = 1; i < num_results; ++i)
     weight_gradient = weight_gradient || (results[i].isTensor() && results[i].toTensor().defined());

@@ -48,6 +48,9 @@ struct CostModel {
   int64_t tile_m, tile_n, compute_units;
   double gemm_epilogue_share;     // the part of a wave's output store not hidden behind its main loop
   int64_t gemm_split_k_min;       // the least K one split of a split-K GEMM takes
+  // What the runtime reports as sharedMemPerBlock and warpSize: which of SoftMax.cu's kernels a
+  // row fits (softmax_traffic).
+  int64_t shared_memory_per_block, warp_size;
   // The compute units a running NCCL kernel holds (one per channel): a GEMM overlapped with a
   // collective gets the rest, in more waves (profile [timing] nccl_compute_units).
   int64_t nccl_compute_units;
@@ -120,9 +123,7 @@ KernelCost kernel_cost(double flops, int64_t bytes, at::ScalarType dtype, GemmSh
 // argument unread) and its kernels beyond the first. LayerNorm's and RMSNorm's backward
 // (aten/src/ATen/native/cuda/layer_norm_kernel.cu, LayerNormBackwardKernelImplInternal) compute
 // the input's gradient in one kernel and the weight's (and bias's) in another, and each reads the
-// output's gradient and the input. Softmax's backward (aten/src/ATen/native/cuda/SoftMax.cu,
-// softmax_backward_cuda_out) first multiplies the output's gradient by the output in a kernel of
-// its own, then runs the backward kernel on that product and the output (log-softmax's does not).
+// output's gradient and the input. Softmax and log-softmax re-read long rows (softmax_traffic).
 // NLL loss (aten/src/ATen/native/cuda/Loss.cu) reads the input only at the targets' classes, and
 // its backward never reads it: it zeroes the input's gradient (a fill kernel) and writes the
 // targets' entries.
@@ -136,8 +137,18 @@ bool has_implementation_traffic(const c10::FunctionSchema& schema);
 // Its traffic for one call (a norm's: none when the call asks for no weight or bias gradient).
 ImplementationTraffic implementation_traffic(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
                                              const c10::IValue* results, size_t num_results);
-// Softmax's backward's product kernel: the product written and read again, the output read again.
-ImplementationTraffic softmax_backward_product(const at::Tensor& grad_output, const at::Tensor& output);
+// Softmax's and log-softmax's, forward and backward (`op` one of aten::_softmax, _log_softmax,
+// _softmax_backward_data, _log_softmax_backward_data; `args` its arguments), as
+// aten/src/ATen/native/cuda/SoftMax.cu runs them. Softmax's backward first multiplies the output's
+// gradient by the output in a kernel of its own (softmax_backward_cuda_out; log-softmax's does
+// not), then runs the backward kernel on that product and the output. A kernel whose row (along
+// the last dim) fits neither the persistent warp kernel (2048 elements and 8 KiB; 1024 and 4 KiB
+// for a widening forward or any backward), nor registers (a forward over at most 9 x 1024
+// elements, not widening), nor a block's shared memory (sharedMemPerBlock) reads it from global
+// memory once per pass: the forward its input three times (maximum, sum of exponentials,
+// output: cunn_SoftMaxForward), the backward its gradient twice (sum, input's gradient:
+// cunn_SoftMaxBackward); so does the spatial kernel (softmax over any other dim) always.
+ImplementationTraffic softmax_traffic(const std::string& op, const c10::IValue* args);
 // A copy within device memory (read and write: a memory-bound kernel). `general`: one PyTorch
 // cannot do as one memcpy or vectorized kernel (a strided side, a broadcast source).
 KernelCost device_copy_cost(int64_t bytes, bool general = false);

@@ -150,6 +150,27 @@ def nll_loss() -> None:
     }))
 
 
+def softmax_rows() -> None:
+    """Log-softmax forward and backward over rows of several lengths and dtypes, and over dim 0
+    (SoftMax.cu's spatial kernel): each timed with events, the result checked against float64
+    (its largest error relative to the largest log-probability)."""
+    cases = {"f32_4096": (2048, 4096, torch.float32, -1), "f32_12288": (2048, 12288, torch.float32, -1),
+             "f32_16384": (2048, 16384, torch.float32, -1), "bf16_16384": (2048, 16384, torch.bfloat16, -1),
+             "f32_dim0": (32768, 64, torch.float32, 0)}
+    timings = {}
+    for name, (rows, columns, dtype, dim) in cases.items():
+        x = torch.randn(rows, columns, device="cuda", dtype=dtype)
+        out = torch.ops.aten._log_softmax(x, dim, False)
+        grad = torch.randn_like(out)
+        reference = torch.log_softmax(x.double(), dim)
+        timings[name] = {
+            "error": ((out.double() - reference).abs().max() / reference.abs().max()).item(),
+            "forward_ms": timed(lambda: torch.ops.aten._log_softmax(x, dim, False)),
+            "backward_ms": timed(lambda: torch.ops.aten._log_softmax_backward_data(grad, out, dim, dtype)),
+        }
+    print(json.dumps(timings))
+
+
 def fused() -> None:
     """Kernels a GPU runs as one that mirage computes as several ops: dropout (CUDA's fused
     dropout kernel), a softmax that widens half to float (and its backward, which narrows),
@@ -453,4 +474,4 @@ def compiled_kernels() -> None:
     print(json.dumps(times))
 
 
-{"gemm": gemm, "compiled": compiled, "compiled_kernels": compiled_kernels, "attention": attention, "flex": flex, "inplace": inplace, "general": general, "norm_backward": norm_backward, "nll_loss": nll_loss, "fused": fused, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
+{"gemm": gemm, "compiled": compiled, "compiled_kernels": compiled_kernels, "attention": attention, "flex": flex, "inplace": inplace, "general": general, "norm_backward": norm_backward, "nll_loss": nll_loss, "softmax_rows": softmax_rows, "fused": fused, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
