@@ -9,8 +9,10 @@ MLP of 4x, tied embeddings; MPT's shapes with --dim/--layers/--heads/--vocab), b
 AdamW, DDP over NCCL, FSDP1 as Composer configured it for llm-foundry's MPT runs (--fsdp1:
 flat parameters, BACKWARD_POST prefetch, limit_all_gathers) or FSDP2 (--fsdp), with Composer's
 mixed precision modes (--mp DEFAULT: bf16 parameters, fp32 gradient reductions, as llm-foundry's
-benchmarking table ran; PURE: bf16 both). Prints one JSON line from rank 0: the median step time
-its own CUDA events measured and the tokens per second per GPU.
+benchmarking table ran; PURE: bf16 both). The loss: eager PyTorch's cross entropy over the bf16
+logits, or (--fused-loss) the fused kernels llm-foundry's runs took it with (FusedCrossEntropy).
+Prints one JSON line from rank 0: the median step time its own CUDA events measured and the
+tokens per second per GPU.
 
 No --compile: under `--predict-only` a torch.compile'd graph still runs inductor's host kernels
 (mirage/runtime/inductor.py, HostCompiledGraph), so a compiled step of these sizes cannot be
@@ -20,9 +22,11 @@ predicted in minutes on a few cores; the cases are eager PyTorch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -47,9 +51,67 @@ class Block(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
 
+@contextlib.contextmanager
+def one_kernel(name: str, device: torch.device, bytes_moved: int, dtype: torch.dtype) -> Iterator[None]:
+    """Under mirage's clocked mode, what runs inside is timed as one kernel named `name` moving
+    `bytes_moved` (mirage's fused-kernel region); elsewhere its ops run and are timed as themselves."""
+    clocked = hasattr(torch.ops, "mirage") and hasattr(torch.ops.mirage, "clock_enabled") \
+        and torch.ops.mirage.clock_enabled()
+    if clocked:
+        torch.ops.mirage.fused_kernel_begin()
+    try:
+        yield
+    finally:
+        if clocked:
+            torch.ops.mirage.fused_kernel_end_named(name, device.index, bytes_moved, dtype)
+
+
+class FusedCrossEntropy(torch.autograd.Function):
+    """The mean cross entropy of [rows, classes] logits, as llm-foundry's runs took their loss:
+    flash-attn's CrossEntropyLoss (`loss_fn: fused_crossentropy`), whose CUDA kernels are apex's
+    xentropy ones (csrc/xentropy/xentropy_kernel.cu). The forward kernel reads the logits twice
+    (their maximum and sum, then the sum of exponentials) and writes each row's loss and
+    log-sum-exp in float; the backward kernel reads the logits once and writes their gradient.
+    Eager PyTorch's log_softmax and nll_loss move more than twice that (a written log-probability
+    matrix, its re-reads, a zero-filled gradient). Under clocked mode each kernel is timed as one
+    (`one_kernel`); the math runs in chunks of rows, so that no logits-sized temporary exists that
+    the CUDA kernels do not allocate (the memory accounting sees theirs)."""
+
+    ROWS_PER_CHUNK = 1024
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        rows, chunk = logits.size(0), FusedCrossEntropy.ROWS_PER_CHUNK
+        lse = torch.empty(rows, device=logits.device, dtype=torch.float32)
+        moved = 2 * logits.numel() * logits.element_size() + targets.numel() * targets.element_size() + 2 * lse.nbytes
+        with one_kernel("xentropy_forward", logits.device, moved, logits.dtype):
+            for start in range(0, rows, chunk):
+                torch.logsumexp(logits[start:start + chunk].float(), -1, out=lse[start:start + chunk])
+            losses = lse - logits.gather(1, targets[:, None]).squeeze(1).float()
+        ctx.save_for_backward(logits, lse, targets)
+        return losses.mean()
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None]:
+        logits, lse, targets = ctx.saved_tensors
+        rows, chunk = logits.size(0), FusedCrossEntropy.ROWS_PER_CHUNK
+        grad = torch.empty_like(logits)
+        moved = 2 * logits.numel() * logits.element_size() + targets.numel() * targets.element_size() + lse.nbytes
+        with one_kernel("xentropy_backward", logits.device, moved, logits.dtype):
+            for start in range(0, rows, chunk):
+                part = grad[start:start + chunk]  # softmax(logits) - one_hot(targets), scaled by the mean's gradient
+                torch.sub(logits[start:start + chunk], lse[start:start + chunk, None], out=part)
+                part.exp_()
+                part.scatter_add_(1, targets[start:start + chunk, None],
+                                  torch.full((part.size(0), 1), -1.0, device=part.device, dtype=part.dtype))
+                part.mul_(grad_loss / rows)
+        return grad, None
+
+
 class GPT(nn.Module):
-    def __init__(self, layers: int, dim: int, heads: int, vocab: int, seq: int) -> None:
+    def __init__(self, layers: int, dim: int, heads: int, vocab: int, seq: int, fused_loss: bool = False) -> None:
         super().__init__()
+        self.fused_loss = fused_loss
         self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
         self.ln = nn.LayerNorm(dim)
@@ -60,13 +122,13 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.ln(x))
-        # llm-foundry's runs use a fused cross-entropy (flash-attn's kernel, `loss_fn:
-        # fused_crossentropy`) over the bf16 logits: no fp32 copy of them, which autocast's
-        # cross_entropy would make (12.3 GiB for MPT-350m's 32 x 2048 x 50368, past the published
-        # micro-batch's memory). The loss is taken on the bf16 logits as that kernel reads them.
+        logits = self.head(self.ln(x)).view(-1, self.head.out_features)
+        # The loss over the bf16 logits, outside autocast: its cross_entropy would copy them to
+        # fp32 (12.3 GiB for MPT-350m's 32 x 2048 x 50368, past llm-foundry's micro-batch's memory).
         with torch.autocast("cuda", enabled=False):
-            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+            if self.fused_loss:
+                return FusedCrossEntropy.apply(logits, targets.view(-1))
+            return F.cross_entropy(logits, targets.view(-1))
 
 
 def main() -> None:
@@ -86,6 +148,9 @@ def main() -> None:
                           help="FSDP1 (FullyShardedDataParallel) as Composer configured it for llm-foundry's "
                                "runs: FULL_SHARD per block, flat parameters, BACKWARD_POST prefetch (Composer's "
                                "default), limit_all_gathers (the MPT yamls'), initialised from the meta device")
+    ap.add_argument("--fused-loss", action="store_true",
+                    help="the loss by flash-attn's fused cross-entropy kernels, as llm-foundry's runs took it "
+                         "(`loss_fn: fused_crossentropy`), not eager PyTorch's log_softmax and nll_loss")
     ap.add_argument("--mp", choices=("DEFAULT", "PURE"), default="DEFAULT",
                     help="with --fsdp or --fsdp1, Composer's mixed precision: DEFAULT = bf16 parameters, fp32 "
                          "reductions; PURE = bf16 parameters and reductions")
@@ -99,7 +164,7 @@ def main() -> None:
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         with torch.device("meta"):
-            model = GPT(args.layers, args.dim, args.heads, args.vocab, args.seq)
+            model = GPT(args.layers, args.dim, args.heads, args.vocab, args.seq, args.fused_loss)
         reduce_dtype = torch.float32 if args.mp == "DEFAULT" else torch.bfloat16
         precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype, buffer_dtype=torch.bfloat16)
 
@@ -117,7 +182,7 @@ def main() -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         with torch.device("meta"):
-            model = GPT(args.layers, args.dim, args.heads, args.vocab, args.seq)
+            model = GPT(args.layers, args.dim, args.heads, args.vocab, args.seq, args.fused_loss)
         reduce_dtype = torch.float32 if args.mp == "DEFAULT" else torch.bfloat16
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
         for block in model.blocks:
@@ -129,7 +194,7 @@ def main() -> None:
                 p.to_local().normal_(std=0.02)  # each rank its shard
         ddp = model
     else:
-        model = GPT(args.layers, args.dim, args.heads, args.vocab, args.seq).cuda()
+        model = GPT(args.layers, args.dim, args.heads, args.vocab, args.seq, args.fused_loss).cuda()
         ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, weight_decay=0.1)
     idx = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")
