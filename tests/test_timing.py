@@ -193,6 +193,32 @@ def test_softmax_reads_a_row_again_where_it_fits_neither_registers_nor_shared_me
                 assert timed[case]["error"] < 1e-2, case
 
 
+def test_the_fused_loss_llm_foundrys_rows_run_is_two_kernels_over_the_logits(tmp_path):
+    """llm-foundry's runs (the end-to-end set's E01-E12) take their loss with flash-attn's fused
+    cross entropy, apex's xentropy kernels: the forward reads the logits twice and writes a float
+    loss and log-sum-exp per row, the backward reads them once and writes their gradient.
+    bench/e2e_gpt.py --fused-loss stands in for them: on the trace each is one kernel moving
+    that (eager PyTorch's log_softmax and nll_loss move more than twice as much), and it computes
+    what PyTorch's cross entropy does."""
+    m = model("h100")
+    bytes_per_ns, fixed_ns = m["memory_bandwidth_gbs"] * m["memory_efficiency"], m["kernel_overhead_us"] * 1e3
+    rows, logits = 1024, 1024 * 16384 * 2
+    moved = {"xentropy_forward": 2 * logits + rows * 8 + 2 * rows * 4,  # the logits twice, targets, two floats a row
+             "xentropy_backward": 2 * logits + rows * 8 + rows * 4}  # the logits, the gradient, targets, log-sum-exp
+    for mode in (["--predict-only"], []):
+        trace = tmp_path / f"trace{len(mode)}.json"
+        run = mirage("run", "--quiet", "--timing", *mode, "--trace", str(trace), "--profile", "h100",
+                     "--gpus-per-node", "1", "--", sys.executable, str(WORKLOAD), "fused_loss")
+        assert run.returncode == 0, run.stderr
+        events = json.loads(trace.read_text())["traceEvents"]
+        for name, bytes_moved in moved.items():
+            kernels = [e["dur"] / 1e3 for e in events if e.get("ph") == "X" and e["name"] == name]
+            assert kernels == [pytest.approx((bytes_moved / bytes_per_ns + fixed_ns) / 1e6, rel=1e-2)], (name, mode)
+        if not mode:  # bf16 logits: the loss near 10.2 to bf16's precision, the gradient's to a few ulps
+            checked = last_json(run.stdout)
+            assert checked["loss_error"] < 0.05 and checked["grad_error"] < 0.05 * checked["grad_scale"]
+
+
 def test_kernels_a_gpu_fuses_are_one_kernel_and_a_beta_zero_gemm_does_not_read_its_input():
     """CUDA's dropout is one kernel (fused_dropout_kernel: it reads the input and writes the output
     and a bool mask), which mirage computes as a Bernoulli draw and two multiplies: it was timed as

@@ -171,6 +171,23 @@ def softmax_rows() -> None:
     print(json.dumps(timings))
 
 
+def fused_loss() -> None:
+    """bench/e2e_gpt.py's stand-in for flash-attn's fused cross entropy (llm-foundry's loss) over
+    1024 x 16384 bf16 logits: its loss and gradient beside PyTorch's, forward and backward."""
+    sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))
+    from e2e_gpt import FusedCrossEntropy
+
+    logits = torch.randn(1024, 16384, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 16384, (1024,), device="cuda")
+    loss = FusedCrossEntropy.apply(logits, targets)
+    (grad,) = torch.autograd.grad(loss, logits)
+    reference = torch.nn.functional.cross_entropy(logits.float(), targets)
+    (reference_grad,) = torch.autograd.grad(reference, logits)
+    print(json.dumps({"loss_error": abs(loss.item() - reference.item()),
+                      "grad_error": (grad.float() - reference_grad.float()).abs().max().item(),
+                      "grad_scale": reference_grad.float().abs().max().item()}))
+
+
 def fused() -> None:
     """Kernels a GPU runs as one that mirage computes as several ops: dropout (CUDA's fused
     dropout kernel), a softmax that widens half to float (and its backward, which narrows),
@@ -474,4 +491,4 @@ def compiled_kernels() -> None:
     print(json.dumps(times))
 
 
-{"gemm": gemm, "compiled": compiled, "compiled_kernels": compiled_kernels, "attention": attention, "flex": flex, "inplace": inplace, "general": general, "norm_backward": norm_backward, "nll_loss": nll_loss, "softmax_rows": softmax_rows, "fused": fused, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
+{"gemm": gemm, "compiled": compiled, "compiled_kernels": compiled_kernels, "attention": attention, "flex": flex, "inplace": inplace, "general": general, "norm_backward": norm_backward, "nll_loss": nll_loss, "softmax_rows": softmax_rows, "fused_loss": fused_loss, "fused": fused, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
