@@ -1,6 +1,7 @@
 """Device profiles: the shipped data, user files, validation, and the `mirage profiles` CLI."""
 
 import json
+import tomllib
 
 import pytest
 
@@ -26,6 +27,12 @@ def test_every_shipped_profile_loads_with_design_figures():
     assert 835.5 < grand_teton.peak_tflops["bf16"] < loaded["h100"].peak_tflops["bf16"]
     assert 95 < grand_teton.memory_bytes / 2**30 < 96
     assert all(p.gpus_per_node == 8 for p in loaded.values())
+    # the L2 the runtime reports: torch's printouts on A100, H100 and H200, pytorch/ao#4002's B200
+    # device query; HIP reports one XCD's (ROCm/legacy-rocm-build#4203)
+    assert {name: loaded[name].l2_cache_bytes / 2**20 for name in ("a100", "h100", "h200", "b200", "mi300x")} \
+        == {"a100": 40, "h100": 50, "h200": 60, "b200": 126.5, "mi300x": 4}
+    assert all((p.shared_memory_per_block, p.warp_size) == ((65536, 64) if p.vendor == "amd" else (49152, 32))
+               for p in loaded.values())
 
 
 def test_user_profile_file_is_validated_naming_the_field(tmp_path):
@@ -64,6 +71,21 @@ def test_profiles_command_table_and_json():
     assert "NVIDIA H200" in shown.stdout
     missing = mirage("profiles", "show", "nope")
     assert missing.returncode == 1 and "unknown profile 'nope'" in missing.stderr
+
+
+def test_torch_reports_the_profiles_device_figures():
+    """get_device_properties shows the profile's L2, shared memory per block and warp size (the
+    L2 was 50 MiB on every NVIDIA profile until 2026-12-06; an A100 reports 40)."""
+    script = ("import torch\np = torch.cuda.get_device_properties(0)\n"
+              "print(p.L2_cache_size, p.shared_memory_per_block, p.warp_size)\nprint(p)\n")
+    result = mirage("run", "--profile", "a100", "--gpus-per-node", "1", "--", "python", "-c", script)
+    assert result.returncode == 0, result.stderr
+    figures, shown = result.stdout.splitlines()[:2]
+    assert figures == f"{40 * 2**20} 49152 32" and shown.endswith("L2_cache_size=40MB)")
+    user = profiles.DATA_DIR / "a100.toml"  # a user's profile without the fields: the vendor's values
+    assert profiles._check(user, {k: v for k, v in tomllib.loads(user.read_text()).items()
+                                  if k not in ("l2_cache_bytes", "shared_memory_per_block", "warp_size")}) \
+        .l2_cache_bytes == 50 * 2**20
 
 
 def test_run_with_a_user_profile_file(tmp_path):

@@ -62,8 +62,9 @@ def device_properties(value) -> bool:
             and value["total_memory"] == PROFILE["memory_bytes"]
             and value["multi_processor_count"] == PROFILE["compute_units"]
             and value["gcnArchName"] == (PROFILE["arch"] if AMD else "NVIDIA CUDA")
-            and value["warp_size"] == (64 if AMD else 32) and value["is_integrated"] is False
-            and isinstance(value["uuid"], str) and count(value["L2_cache_size"]) and value["L2_cache_size"] > 0)
+            and value["warp_size"] == PROFILE["warp_size"] and value["is_integrated"] is False
+            and value["shared_memory_per_block"] == PROFILE["shared_memory_per_block"]
+            and isinstance(value["uuid"], str) and value["L2_cache_size"] == PROFILE["l2_cache_bytes"])
 
 
 def gpu_processes(value) -> bool:

@@ -51,6 +51,9 @@ class Profile:
     # 0 where a user's profile leaves them out: the vendor's value (_check).
     shared_memory_per_block: int = 0
     warp_size: int = 0
+    # What the runtime reports as l2CacheSize (torch's L2_cache_size): HIP reports one XCD's or
+    # GCD's L2. 0 where a user's profile leaves it out: 50 MiB (NVIDIA), 4 MiB (AMD) (_check).
+    l2_cache_bytes: int = 0
     peak_tflops: dict[str, float] = field(default_factory=dict)
     # Clocked mode's model: [timing] key -> {value, kind, source}, and [timing.inputs]: where the
     # profile's own figures the model reads come from (see TIMING_KEYS, timing_model).
@@ -95,10 +98,11 @@ _FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "memory_bus_width_bits": ((int,), "a positive integer (the memory interface's width in bits)"),
     "shared_memory_per_block": ((int,), "a positive integer (bytes of shared memory a kernel's block may use)"),
     "warp_size": ((int,), "a positive integer (threads a warp or wavefront runs together)"),
+    "l2_cache_bytes": ((int,), "a positive integer (the L2 cache the runtime reports, bytes)"),
     "peak_tflops": ((dict,), "a table of dtype = TFLOP/s"),
     "timing": ((dict,), "a table of clocked mode's numbers (see mirage/profiles/data/h100.toml)"),
 }
-_OPTIONAL = {"timing", "memory_bus_width_bits", "shared_memory_per_block", "warp_size"}
+_OPTIONAL = {"timing", "memory_bus_width_bits", "shared_memory_per_block", "warp_size", "l2_cache_bytes"}
 
 # Clocked mode's own numbers, each a [timing] entry {value, kind, source}.
 TIMING_KEYS: dict[str, str] = {
@@ -166,11 +170,12 @@ def _check(path: Path, data: dict) -> Profile:
         raise bad("clock_ghz")
     if data["context_bytes"] < 0:
         raise bad("context_bytes")
-    for name in ("memory_bus_width_bits", "shared_memory_per_block", "warp_size"):
+    for name in ("memory_bus_width_bits", "shared_memory_per_block", "warp_size", "l2_cache_bytes"):
         if data.get(name, 1) <= 0:
             raise bad(name)
     amd = data["vendor"] == "amd"
-    data = {"shared_memory_per_block": 65536 if amd else 49152, "warp_size": 64 if amd else 32, **data}
+    data = {"shared_memory_per_block": 65536 if amd else 49152, "warp_size": 64 if amd else 32,
+            "l2_cache_bytes": (4 if amd else 50) * 2**20, **data}
     if not 1 <= data["gpus_per_node"] <= 64:
         raise bad("gpus_per_node")
     peaks = data["peak_tflops"]

@@ -39,7 +39,7 @@ class DeviceProperties:
         self.warp_size = profile.warp_size
         self.regs_per_multiprocessor = 65536
         self.shared_memory_per_block = profile.shared_memory_per_block
-        self.L2_cache_size = 4 * 2**20 if profile.is_amd else 50 * 2**20
+        self.L2_cache_size = profile.l2_cache_bytes
         self.clock_rate = int(profile.clock_ghz * 1e6)  # kHz, as CUDA reports it
         self.gcnArchName = profile.arch if profile.is_amd else "NVIDIA CUDA"
         self.uuid = visible_devices.gpu_uuid(node_gpu)
