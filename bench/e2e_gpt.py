@@ -22,15 +22,14 @@ predicted in minutes on a few cores; the cases are eager PyTorch.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from one_kernel import one_kernel
 from torch import nn
 
 
@@ -51,21 +50,6 @@ class Block(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
 
-@contextlib.contextmanager
-def one_kernel(name: str, device: torch.device, bytes_moved: int, dtype: torch.dtype) -> Iterator[None]:
-    """Under mirage's clocked mode, what runs inside is timed as one kernel named `name` moving
-    `bytes_moved` (mirage's fused-kernel region); elsewhere its ops run and are timed as themselves."""
-    clocked = hasattr(torch.ops, "mirage") and hasattr(torch.ops.mirage, "clock_enabled") \
-        and torch.ops.mirage.clock_enabled()
-    if clocked:
-        torch.ops.mirage.fused_kernel_begin()
-    try:
-        yield
-    finally:
-        if clocked:
-            torch.ops.mirage.fused_kernel_end_named(name, device.index, bytes_moved, dtype)
-
-
 class FusedCrossEntropy(torch.autograd.Function):
     """The mean cross entropy of [rows, classes] logits, as llm-foundry's runs took their loss:
     flash-attn's CrossEntropyLoss (`loss_fn: fused_crossentropy`), whose CUDA kernels are apex's
@@ -74,7 +58,7 @@ class FusedCrossEntropy(torch.autograd.Function):
     log-sum-exp in float; the backward kernel reads the logits once and writes their gradient.
     Eager PyTorch's log_softmax and nll_loss move more than twice that (a written log-probability
     matrix, its re-reads, a zero-filled gradient). Under clocked mode each kernel is timed as one
-    (`one_kernel`); the math runs in chunks of rows, so that no logits-sized temporary exists that
+    (bench/one_kernel.py); the math runs in chunks of rows, so that no logits-sized temporary exists that
     the CUDA kernels do not allocate (the memory accounting sees theirs)."""
 
     ROWS_PER_CHUNK = 1024

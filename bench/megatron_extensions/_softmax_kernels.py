@@ -6,9 +6,8 @@ on a machine without nvcc. megatron-core imports them by those names when masked
 is on (megatron/core/fusions/fused_softmax.py), so this directory, put on PYTHONPATH by
 bench/megatron_sc21.py under mirage, provides them with the same functions and arguments.
 
-Each function computes its result with PyTorch ops inside one fused-kernel region of mirage's
-clock (torch.ops.mirage.fused_kernel_begin / fused_kernel_end_named): the ops are not timed one
-by one, and the region is charged as one memory-bound kernel moving what the CUDA kernel moves.
+Each function computes its result with PyTorch ops timed as the one kernel the CUDA kernel is
+(bench/one_kernel.py), moving what it moves.
 What it moves, read in apex's csrc/megatron/scaled_upper_triang_masked_softmax.h: the causal
 forward reads only each row's unmasked prefix (row i reads i + 1 elements) and writes the whole
 row (zeros past the prefix); its backward reads the gradient and the softmax output over the same
@@ -17,24 +16,15 @@ prefix and writes the whole row. The masked kernels read the whole input and the
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # bench/, where the kernel region lives
+from one_kernel import one_kernel  # noqa: E402  (the extensions take it from here)
 
-@contextlib.contextmanager
-def one_kernel(name: str, device: torch.device, bytes_moved: int, dtype: torch.dtype) -> Iterator[None]:
-    """Times what runs inside as one kernel named `name` that moves `bytes_moved` (clocked mode
-    only; otherwise the ops run and are timed as themselves)."""
-    if not torch.ops.mirage.clock_enabled():
-        yield
-        return
-    torch.ops.mirage.fused_kernel_begin()
-    try:
-        yield
-    finally:
-        torch.ops.mirage.fused_kernel_end_named(name, device.index, bytes_moved, dtype)
+__all__ = ["one_kernel", "causal_prefix_share", "softmax_forward", "softmax_backward_", "batch_per_block"]
 
 
 def causal_prefix_share(seq: int) -> float:

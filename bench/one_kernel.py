@@ -1,0 +1,35 @@
+"""A CUDA kernel that a benchmark's workload computes as several PyTorch ops, timed as the one
+kernel it is under mirage's clocked mode.
+
+Stand-ins for compiled CUDA extensions (Megatron's fused softmax, bench/megatron_extensions;
+flash-attn's fused cross entropy, bench/e2e_gpt.py) compute their results with PyTorch ops inside
+mirage's fused-kernel region (torch.ops.mirage.fused_kernel_begin / fused_kernel_end_named): the
+ops are not timed one by one, and the region is charged as one memory-bound kernel moving what
+the CUDA kernel moves. Off mirage (a real GPU) the ops run and are timed as themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+
+def _clocked() -> bool:
+    """Whether this process runs under mirage's clocked mode (mirage's ops exist only under mirage)."""
+    return hasattr(torch.ops.mirage, "clock_enabled") and torch.ops.mirage.clock_enabled()
+
+
+@contextlib.contextmanager
+def one_kernel(name: str, device: torch.device, bytes_moved: int, dtype: torch.dtype) -> Iterator[None]:
+    """Times what runs inside as one kernel named `name` that moves `bytes_moved` (clocked mode
+    only; otherwise the ops run and are timed as themselves)."""
+    if not _clocked():
+        yield
+        return
+    torch.ops.mirage.fused_kernel_begin()
+    try:
+        yield
+    finally:
+        torch.ops.mirage.fused_kernel_end_named(name, device.index, bytes_moved, dtype)
