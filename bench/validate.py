@@ -15,7 +15,7 @@ those the profiles' [timing] numbers were taken from; the held-out set's median 
 figure of merit. Runs in about a minute: nothing is computed on this machine but the model.
 
 `--run-e2e` first reruns end-to-end rows (bench/e2e_runs.py: `all` is every row predicted
-before, about 25 minutes on 2 cores) and records their predictions in validation_cases.toml, so
+before, about an hour on 2 cores) and records their predictions in validation_cases.toml, so
 `python bench/validate.py --run-e2e all --write docs/validation.md` regenerates both sets.
 """
 
