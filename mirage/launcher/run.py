@@ -272,6 +272,9 @@ def run_session(request: RunRequest, cluster: clusters.Cluster | None = None) ->
             "MIRAGE_NUM_GPUS": str(gpus),
             # Scratch (torchrun's error files, tempfile) lives and dies with the session.
             "TMPDIR": str(scratch),
+            # What outlives a run on a real box beside those files (inductor's compile cache,
+            # /tmp/torchinductor_<user>) stays in the user's own temp dir: mirage/runtime/inductor.py
+            "MIRAGE_USER_TMPDIR": tempfile.gettempdir(),
         }
         if request.lazy_device_memory:
             emulator["MIRAGE_LAZY_DEVICE_MEMORY"] = "1"

@@ -32,6 +32,8 @@ import functools
 import itertools
 import logging
 import math
+import os
+import sys
 import threading
 from types import ModuleType
 from typing import Any, Callable, Sequence
@@ -729,8 +731,38 @@ def _no_triton_warning(record: logging.LogRecord) -> bool:
     return "triton not found" not in record.getMessage()
 
 
+def _cache_in_the_users_temp_dir() -> None:
+    """Inductor keeps its compile cache (FX graphs, built kernels, the precompiled header) in
+    <temp dir>/torchinductor_<user> unless TORCHINDUCTOR_CACHE_DIR says otherwise, and on a real
+    box it is there for the next run. A mirage process's temp dir is its session's scratch, gone
+    when the session ends, so every run compiled everything again (5-30 s for a small model): its
+    cache goes where the user's temp dir (MIRAGE_USER_TMPDIR, from the launcher) puts it.
+    cache_dir_utils and runtime_utils, which imports the function by name, may already be loaded
+    (torch._dynamo loads both: the fork server preloads it); codecache, which resolves the
+    precompiled header's directory when it is imported, is not yet."""
+    user_temp_dir = os.environ.get("MIRAGE_USER_TMPDIR")
+    if not user_temp_dir:
+        return
+    in_users_temp_dir: list[Callable[[], str]] = []
+
+    def patch(module: ModuleType) -> None:
+        if not in_users_temp_dir:
+            in_scratch = sys.modules["torch._inductor.runtime.cache_dir_utils"].default_cache_dir
+
+            @functools.wraps(in_scratch)
+            def default_cache_dir() -> str:
+                return os.path.join(user_temp_dir, os.path.basename(in_scratch()))
+
+            in_users_temp_dir.append(default_cache_dir)
+        module.default_cache_dir = in_users_temp_dir[0]
+
+    for name in ("torch._inductor.runtime.cache_dir_utils", "torch._inductor.runtime.runtime_utils"):
+        import_hooks.after_import(name, patch)
+
+
 def install(torch: ModuleType) -> None:
     """Arms the compile_fx patch (or applies it, if inductor is already loaded)."""
     logging.getLogger("torch.utils.flop_counter").addFilter(_no_triton_warning)
+    _cache_in_the_users_temp_dir()
     import_hooks.after_import("torch._higher_order_ops.flex_attention", lambda module: flex_attention.install(torch))
     import_hooks.after_import(_COMPILE_FX, lambda module: _patch(module, torch))
