@@ -4,9 +4,11 @@ import getpass
 import importlib.metadata
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -78,24 +80,26 @@ def test_environment_layers_and_identity_cannot_be_overridden(tmp_path):
     assert cleared.stdout.split()[-1] == "None"
 
 
-def test_a_second_run_finds_what_the_first_compiled_in_inductors_cache_in_the_users_temp_dir(tmp_path):
+def test_a_second_run_finds_what_the_first_compiled_in_inductors_cache_in_the_users_temp_dir():
     """On a real box torch.compile's cache (<temp dir>/torchinductor_<user>) outlives a run and the
     next run of the same program reads its graph from it; the session's own scratch temp dir,
-    which mirage removes, is still the program's temp dir."""
+    which mirage removes, is still the program's temp dir. (A graph of its own each time the test
+    runs: a constant no earlier run compiled.)"""
     script = ("import json, tempfile, torch\n"
               "from torch._dynamo.utils import counters\n"
               "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"
               "x = torch.randn(64, device='cuda')\n"
-              "torch.testing.assert_close(torch.compile(lambda t: t.sin().relu() * 2)(x), x.sin().relu() * 2)\n"
+              f"scaled = lambda t: t.sin().relu() * {secrets.randbelow(10**9) + 2}\n"
+              "torch.testing.assert_close(torch.compile(scaled)(x), scaled(x))\n"
               "print(json.dumps({'cache': cache_dir(), 'temp': tempfile.gettempdir(),\n"
               "                  'hit': counters['inductor']['fxgraph_cache_hit']}))\n")
-    env = dict(os.environ, TMPDIR=str(tmp_path))
-    first, second = (mirage("run", "--quiet", "--", "python", "-c", script, env=env) for _ in range(2))
+    first, second = (mirage("run", "--quiet", "--", "python", "-c", script) for _ in range(2))
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     first, second = json.loads(first.stdout), json.loads(second.stdout)
-    assert first["cache"] == second["cache"] == str(tmp_path / f"torchinductor_{getpass.getuser()}")
+    users = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    assert first["cache"] == second["cache"] == users
     assert (first["hit"], second["hit"]) == (0, 1)
-    assert str(tmp_path) != first["temp"] != second["temp"]  # each session's scratch
+    assert tempfile.gettempdir() != first["temp"] != second["temp"]  # each session's scratch
 
 
 def test_triton_kernels_are_interpreted_unless_the_caller_says_otherwise():
