@@ -33,7 +33,6 @@ import itertools
 import logging
 import math
 import os
-import sys
 import threading
 from types import ModuleType
 from typing import Any, Callable, Sequence
@@ -743,18 +742,12 @@ def _cache_in_the_users_temp_dir() -> None:
     user_temp_dir = os.environ.get("MIRAGE_USER_TMPDIR")
     if not user_temp_dir:
         return
-    in_users_temp_dir: list[Callable[[], str]] = []
 
     def patch(module: ModuleType) -> None:
-        if not in_users_temp_dir:
-            in_scratch = sys.modules["torch._inductor.runtime.cache_dir_utils"].default_cache_dir
-
-            @functools.wraps(in_scratch)
-            def default_cache_dir() -> str:
-                return os.path.join(user_temp_dir, os.path.basename(in_scratch()))
-
-            in_users_temp_dir.append(default_cache_dir)
-        module.default_cache_dir = in_users_temp_dir[0]
+        # runtime_utils may bind the already patched function: wrapping it again gives the same path
+        in_scratch = module.default_cache_dir
+        module.default_cache_dir = functools.wraps(in_scratch)(
+            lambda: os.path.join(user_temp_dir, os.path.basename(in_scratch())))
 
     for name in ("torch._inductor.runtime.cache_dir_utils", "torch._inductor.runtime.runtime_utils"):
         import_hooks.after_import(name, patch)
