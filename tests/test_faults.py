@@ -325,6 +325,7 @@ def test_an_elastic_job_re_forms_its_world_without_a_node_that_failed(tmp_path):
     assert together == [0, 1, 2, 3] and alone == list(range(4, 50))
 
 
+@pytest.mark.slow  # 34 s: MIRAGE_SLOW_TESTS=1; the default suite re-forms the world without the node (above)
 def test_an_elastic_job_re_forms_its_world_with_a_node_that_rejoins(tmp_path):
     """A node that joins late needs torch's rendezvous store unshared: torch 2.13's shared store never
     publishes the new round's worker ranks to it, so the agents wait for the store's timeout. That is

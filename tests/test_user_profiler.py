@@ -194,6 +194,9 @@ def test_the_trace_has_a_gpu_side_as_on_a_cuda_build(tmp_path: Path, timing: boo
         assert all_reduce_starts[0] == pytest.approx(all_reduce_starts[1], abs=1e-3)
 
 
+# 45 s and the trace tools' own environment: MIRAGE_SLOW_TESTS=1 (docs/benchmarks.md, "The default suite");
+# the default suite checks the traces' GPU side (test_the_trace_has_a_gpu_side_as_on_a_cuda_build)
+@pytest.mark.slow
 def test_hta_and_tensorboard_read_the_predicted_traces_of_an_fsdp_job(tmp_path: Path) -> None:
     """Four FSDP2 ranks on emulated H100s, one step recorded per rank as torchtitan's profiling
     flags record it (tests/workloads/fsdp_profile.py): HTA, unchanged, runs its temporal

@@ -103,6 +103,7 @@ def test_compiled_code_reads_and_writes_device_memory_in_place_and_its_buffers_a
     assert torch.cuda.max_memory_allocated(DEVICE) - base >= 2 * one_matrix  # with a generated buffer
 
 
+@pytest.mark.slow  # 17-20 s of compiling: MIRAGE_SLOW_TESTS=1 (docs/benchmarks.md, "The default suite")
 def test_dynamic_shapes_compile_one_graph_for_every_length():
     torch.manual_seed(0)
     model = GPT().to(DEVICE)
@@ -198,6 +199,7 @@ def test_reduce_overhead_cudagraph_trees_warm_up_record_and_replay_into_the_same
     assert counters["inductor"]["cudagraph_skips"] == 0
 
 
+@pytest.mark.slow  # the GPT compiled again (10 s); the default suite keeps the tree tests below
 def test_the_gpt_trains_under_cudagraph_trees_as_eager():
     """reduce-overhead's warm-up, recording and replays of the GPT's forward and backward; the
     warm-up's outputs must be in the tree's pool (inductor's slow-path check, on by default),
