@@ -406,23 +406,56 @@ def test_dist_smoke_on_32_emulated_gpus():  # 4 s with the fork server (49 s bef
     assert "all_reduce sum = 528 (expected 528) on 32 ranks" in result.stdout
 
 
+def _two_ranks_on_two_gpus(tmp_path: Path, backend: str, body: str) -> subprocess.CompletedProcess:
+    """Runs `body` on two ranks, each on its own GPU (`rank`, `torch`, `dist` in scope), in a
+    process group of `backend`."""
+    script = tmp_path / "two_ranks.py"
+    script.write_text("import os, torch, torch.distributed as dist\n"
+                      "rank = int(os.environ['RANK']); torch.cuda.set_device(rank)\n"
+                      f"dist.init_process_group({backend!r})\n" + body)
+    result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", str(script), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
 def test_a_gloo_group_takes_device_tensors_as_a_cuda_build_s_gloo_does(tmp_path):
     """A CPU build's gloo has no CUDA path (it crashed on device tensors); gloo's cuda side is an
     adapter that hands it host aliases of the device memory."""
-    script = tmp_path / "gloo_cuda.py"
-    script.write_text(
-        "import os, torch, torch.distributed as dist\n"
-        "rank = int(os.environ['RANK']); torch.cuda.set_device(rank)\n"
-        "dist.init_process_group('gloo')\n"
+    result = _two_ranks_on_two_gpus(
+        tmp_path, "gloo",
         "t = torch.full((5,), float(rank + 1), device='cuda'); dist.all_reduce(t)\n"
         "parts = [torch.empty(5, device='cuda') for _ in range(2)]; dist.all_gather(parts, t)\n"
         "cpu = torch.ones(2); dist.all_reduce(cpu)\n"
         "assert t.device.type == 'cuda' and t.tolist() == [3.0] * 5 and parts[1].tolist() == [3.0] * 5\n"
         "assert cpu.tolist() == [2.0, 2.0] and dist.get_backend() == 'gloo'\n"
         "print('gloo_cuda_ok')\n")
-    result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "python", str(script), timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
     assert "[0] gloo_cuda_ok" in result.stdout and "[1] gloo_cuda_ok" in result.stdout
+
+
+def test_sparse_gradients_reduce_over_gloo_and_nccl_refuses_them_in_its_own_words(tmp_path):
+    """ProcessGroupNCCL has no sparse all_reduce and says so in words PyTorch's tests match; a
+    CUDA build's gloo reduces sparse device tensors (through host copies), so DDP over gloo trains
+    an nn.Embedding(sparse=True)."""
+    result = _two_ranks_on_two_gpus(
+        tmp_path, "nccl",
+        "def mine(): return torch.sparse_coo_tensor([[rank], [0]], [1.0 + rank], (2, 2), device='cuda')\n"
+        "try:\n    dist.all_reduce(mine())\nexcept RuntimeError as e:\n    print('nccl:', e)\n"
+        "gloo = dist.new_group(backend='gloo')\n"
+        "t = mine(); dist.all_reduce(t, group=gloo)\n"
+        "assert t.is_sparse and t.device == torch.device('cuda', rank), t\n"
+        "print('gloo sum', t.to_dense().tolist())\n"
+        "torch.manual_seed(0)\n"
+        "ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Embedding(8, 2, sparse=True).cuda(), process_group=gloo)\n"
+        "ddp(torch.tensor([rank, 5], device='cuda')).sum().backward()\n"
+        "grad = ddp.module.weight.grad.coalesce()\n"
+        "print('ddp grad rows', grad.indices().flatten().tolist(), grad.values()[:, 0].tolist(), grad.device)\n"
+        "dist.destroy_process_group()\n")
+    for rank in (0, 1):
+        assert (f"[{rank}] nccl: NCCL does not support all_reduce with sparse tensors. Please use dense tensors "
+                "instead.") in result.stdout
+        assert f"[{rank}] gloo sum [[1.0, 0.0], [2.0, 0.0]]" in result.stdout
+        # each row's gradient is summed over the ranks and divided by the world size, as DDP does
+        assert f"[{rank}] ddp grad rows [0, 1, 5] [0.5, 0.5, 1.0] cuda:{rank}" in result.stdout
 
 
 def test_destroying_a_group_fails_its_pending_point_to_point_operations(tmp_path):

@@ -8,8 +8,8 @@ import json
 
 from conftest import mirage, record_sweep
 
-# docs/conformance.md and README.md: "optim_db 270 of 270".
-DOCUMENTED_TOTAL = 270
+# docs/conformance.md and README.md: "optim_db 274 of 274".
+DOCUMENTED_TOTAL = 274
 
 
 def test_optim_db_sweep_on_emulated_gpu():
@@ -21,6 +21,6 @@ def test_optim_db_sweep_on_emulated_gpu():
     print(f"optim sweep: {summary['passed']}/{summary['total']} cases pass; left out: {summary['skipped']}")
     for failure in summary["failures"]:
         print(f"  {failure['optimizer']} [{failure['input']}] {failure['impl']}: {failure['message'][:200]}")
-    assert set(summary["skipped"]) == {"SparseAdam"}, summary["skipped"]
+    assert summary["skipped"] == {}, summary["skipped"]
     assert summary["failures"] == [], summary["failures"]
-    assert summary["total"] == DOCUMENTED_TOTAL, (summary["total"], "cases; docs/conformance.md says 270")
+    assert summary["total"] == DOCUMENTED_TOTAL, (summary["total"], "cases; docs/conformance.md says 274")

@@ -94,6 +94,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupNCCL::allreduce(std::vector<at::Tenso
   });
 }
 
+// A sparse tensor's all_reduce (c10d's SparseCUDA kernel calls this): NCCL has none outside
+// Meta's NCCLX, and ProcessGroupNCCL refuses it with these words, which PyTorch's own tests match.
+c10::intrusive_ptr<c10d::Work> ProcessGroupNCCL::allreduce_sparse(std::vector<at::Tensor>&, const c10d::AllreduceOptions&) {
+  C10_THROW_ERROR(Error, "NCCL does not support all_reduce with sparse tensors. Please use dense tensors instead.");
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupNCCL::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                                      const c10d::AllreduceCoalescedOptions& opts) {
   for (const auto& t : tensors) check_tensor(t);

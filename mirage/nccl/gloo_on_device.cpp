@@ -49,6 +49,19 @@ Work GlooOnDevice::allreduce_coalesced(std::vector<at::Tensor>& t, const c10d::A
   auto h = on_host(t);
   return gloo_->allreduce_coalesced(h, o);
 }
+// Sparse tensors: as a CUDA build's gloo does (AsyncSparseAllreduceCUDAWork), each is coalesced
+// and copied to the host, reduced there by gloo's sparse all_reduce, and copied back into the
+// device tensor (new indices and values). Here the copy back waits for the reduction.
+Work GlooOnDevice::allreduce_sparse(std::vector<at::Tensor>& t, const c10d::AllreduceOptions& o) {
+  std::vector<at::Tensor> host;
+  host.reserve(t.size());
+  for (const auto& sparse : t) host.push_back(sparse.coalesce().to(at::kCPU));
+  Work work = gloo_->allreduce_sparse(host, o);
+  work->wait();
+  for (size_t i = 0; i < t.size(); ++i) t[i].copy_(host[i]);
+  return work;
+}
+
 Work GlooOnDevice::reduce(std::vector<at::Tensor>& t, const c10d::ReduceOptions& o) {
   auto h = on_host(t);
   return gloo_->reduce(h, o);

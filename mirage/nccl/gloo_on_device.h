@@ -28,6 +28,7 @@ class GlooOnDevice final : public c10d::Backend {
   Work broadcast(std::vector<at::Tensor>& t, const c10d::BroadcastOptions& o) override;
   Work allreduce(std::vector<at::Tensor>& t, const c10d::AllreduceOptions& o) override;
   Work allreduce_coalesced(std::vector<at::Tensor>& t, const c10d::AllreduceCoalescedOptions& o) override;
+  Work allreduce_sparse(std::vector<at::Tensor>& t, const c10d::AllreduceOptions& o) override;
   Work reduce(std::vector<at::Tensor>& t, const c10d::ReduceOptions& o) override;
   Work allgather(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
                  const c10d::AllgatherOptions& o) override;

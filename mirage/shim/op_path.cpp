@@ -13,6 +13,7 @@
 #include "op_cost.h"
 #include "profiler_activities.h"
 #include "race_checker.h"
+#include "sparse_tensors.h"
 #include "unobserved_ops.h"
 
 #include <ATen/ATen.h>
@@ -21,6 +22,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -139,7 +141,12 @@ static void clock_kernel(const c10::OperatorHandle& op, const OpTraits& traits, 
   for (size_t i = 0; i < traits.num_returns; ++i) {
     if (results[i].isTensor() && results[i].toTensor().defined()) {
       const at::Tensor& out = results[i].toTensor();
-      if (out.is_cuda()) traffic.add(out);
+      if (!out.is_cuda()) continue;
+      if (is_sparse_layout(out)) {  // its members are what the kernel wrote
+        for (const at::Tensor& member : sparse_members(out)) traffic.add(member, true);
+      } else {
+        traffic.add(out);
+      }
     }
   }
   // CUDA's addmm and baddbmm pass beta to cuBLAS, which reads C only when beta is not 0 (and
@@ -149,7 +156,7 @@ static void clock_kernel(const c10::OperatorHandle& op, const OpTraits& traits, 
     const c10::IValue& beta = arguments[traits.beta];
     const at::Tensor& unread = arguments[0].toTensor();
     if (((beta.isDouble() && beta.toDouble() == 0) || (beta.isInt() && beta.toInt() == 0)) && unread.defined() &&
-        unread.is_cuda()) {
+        unread.is_cuda() && unread.layout() == c10::kStrided) {
       traffic.bytes -= static_cast<int64_t>(unread.numel() * unread.itemsize());
     }
   }
@@ -206,8 +213,13 @@ static bool predict_without_running(const c10::OperatorHandle& op, const OpTrait
   bool steering = true;  // every device tensor in holds integers or bools, in a small storage
   c10::SmallVector<const void*, 8> inputs;  // their storages
   bool in_list = false;  // counting a list argument's tensors
+  bool sparse = false;   // a sparse argument: such kernels run (their nnz steers what they make)
   auto count = [&](const at::Tensor& t) {
     if (!t.defined() || !t.is_cuda()) return t;
+    if (t.layout() != c10::kStrided) {
+      sparse = true;
+      return t;
+    }
     inputs.push_back(t.storage().data());
     if (device < 0) {
       device = t.device().index();
@@ -228,7 +240,7 @@ static bool predict_without_running(const c10::OperatorHandle& op, const OpTrait
       in_list = false;
     }
   }
-  if (device < 0) return false;  // factories (no device tensor in): cheap, and their values may matter
+  if (device < 0 || sparse) return false;  // factories (no device tensor in): cheap, and their values may matter
   // Small kernels of integers and bools run: what they compute steers the program (the sizes
   // send_object_list concatenates and recv_object_list sums, token counts, indices), and the
   // host reads it as it is (is_phantom_dtype).
@@ -256,10 +268,18 @@ static bool predict_without_running(const c10::OperatorHandle& op, const OpTrait
 // memory of the device (in place where the result alone holds it, else on a new device storage
 // shared by its views), which is where the allocator model counts it. `Alias` has `orig` (a
 // device tensor, or a pointer to one) and `alias` (its CPU alias).
+// A device sparse argument and its host view (sparse_tensors.h).
+struct SparseView {
+  at::Tensor orig;
+  at::Tensor host;
+  SparseSnapshot given;  // what `host` held before the kernel
+};
+
 template <class Alias>
 struct DeviceResults {
   const c10::SmallVectorImpl<Alias>& aliased;
   DeviceIndex device;
+  const c10::SmallVectorImpl<SparseView>* sparse = nullptr;  // the call's sparse arguments
   c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 2> adopted{};
 
   static const at::Tensor& orig_of(const Alias& a) {
@@ -271,6 +291,7 @@ struct DeviceResults {
   }
 
   at::Tensor map_back(const at::Tensor& out) {
+    if (out.defined() && out.device().type() == DeviceType::CPU && is_sparse_layout(out)) return sparse_back(out);
     if (!out.defined() || out.device().type() != DeviceType::CPU || out.layout() != c10::kStrided) return out;
     c10::StorageImpl* s = out.storage().unsafeGetStorageImpl();
     for (auto& a : aliased) {
@@ -284,6 +305,23 @@ struct DeviceResults {
     }
     adopted.emplace_back(s, adopt_storage(out.storage(), device));
     return on_storage(adopted.back().second, out);
+  }
+
+  // A sparse result: the argument it is (an in-place op's), or a device sparse tensor over its
+  // members as device tensors (a sparse kernel's, or a dense op's: to_sparse).
+  at::Tensor sparse_back(const at::Tensor& out) {
+    if (sparse != nullptr) {
+      for (const SparseView& s : *sparse) {
+        if (s.host.unsafeGetTensorImpl() == out.unsafeGetTensorImpl()) return s.orig;
+      }
+    }
+    return sparse_over(out, members_back(out));
+  }
+
+  SparseMembers members_back(const at::Tensor& host_sparse) {
+    SparseMembers members = sparse_members(host_sparse);
+    for (at::Tensor& member : members) member = map_back(member);
+    return members;
   }
 
   // The common case, one fresh tensor that nothing else holds, is re-labelled in place.
@@ -302,8 +340,10 @@ struct OpCall {
   const c10::OperatorHandle& op;
   const OpTraits& traits;
   torch::jit::Stack* stack;
+  c10::DispatchKey host_key;  // the CPU kernel's key: CPU, or SparseCPU / SparseCsrCPU (sparse_tensors.h)
   c10::SmallVector<Aliased, 8> aliased;
   c10::SmallVector<bool, 8> aliased_written;  // --check-races: whether the kernel writes aliased[i]
+  c10::SmallVector<SparseView, 1> sparse;     // sparse arguments (their members are in `aliased`)
   DeviceIndex device = -1;
   KernelTraffic traffic;                // what the kernel reads and writes (clocked mode)
   std::vector<c10::IValue> arguments;   // kept for the FLOP formula and implementation traffic (clocked mode)
@@ -319,10 +359,19 @@ struct OpCall {
     bool writing = false;  // the argument being converted is written
     bool in_list = false;  // converting a list argument's tensors
     c10::Device cpu_device(DeviceType::CPU);
+    // a sparse copy_ takes a source on another device, as CUDA's copy_sparse_ does
+    const bool copies_across_devices = host_key != c10::DispatchKey::CPU && op.schema().name() == "aten::copy_";
+    auto alias = [&](const at::Tensor& t) -> at::Tensor {  // a dense device tensor's CPU alias
+      if (count_bytes) traffic.add(t, in_list);
+      at::Tensor a = cpu_alias(t);
+      aliased.push_back({t, a});
+      if (C10_UNLIKELY(check_races)) aliased_written.push_back(writing);
+      return a;
+    };
     auto convert = [&](const at::Tensor& t, bool allow_cpu) -> at::Tensor {
       if (!t.defined()) return t;
       if (t.device().type() != DeviceType::CUDA) {
-        if (!allow_cpu && t.dim() > 0) {
+        if (!allow_cpu && !copies_across_devices && t.dim() > 0) {
           if (device >= 0) device_mismatch(c10::Device(DeviceType::CUDA, device), t.device(), op);
           has_cpu_tensor = true;
         }
@@ -335,11 +384,14 @@ struct OpCall {
       } else if (d != device) {
         device_mismatch(c10::Device(DeviceType::CUDA, device), t.device(), op);
       }
-      if (count_bytes) traffic.add(t, in_list);
-      at::Tensor a = cpu_alias(t);
-      aliased.push_back({t, a});
-      if (C10_UNLIKELY(check_races)) aliased_written.push_back(writing);
-      return a;
+      if (C10_UNLIKELY(is_sparse_layout(t))) {  // a host view over CPU aliases of its members
+        SparseMembers members = sparse_members(t);
+        for (at::Tensor& member : members) member = alias(member);
+        at::Tensor host = sparse_over(t, members);
+        sparse.push_back({t, host, snapshot(host)});
+        return host;
+      }
+      return alias(t);
     };
     for (size_t i = 0; i < traits.num_args; ++i) {
       c10::IValue& iv = (*stack)[base + i];
@@ -384,7 +436,7 @@ struct OpCall {
   void run_cpu_kernel(HostKernel host) {
     if (host != nullptr) return host(stack);
     try {
-      op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+      op.redispatchBoxed(c10::DispatchKeySet(host_key), stack);
     } catch (const c10::NotImplementedError&) {
       if (op.hasKernelForDispatchKey(c10::DispatchKey::CPU)) throw;
       not_emulated(op);
@@ -397,7 +449,12 @@ struct OpCall {
     if (!aliased.empty() && traits.is_mutable) {
       for (auto& a : aliased) sync_back(a.orig, a.alias);
     }
-    DeviceResults<Aliased> results{aliased, device};
+    DeviceResults<Aliased> results{aliased, device, &sparse};
+    if (traits.is_mutable) {  // a sparse argument written: its new members, as device tensors
+      for (const SparseView& s : sparse) {
+        if (written_since(s.host, s.given)) sparse_sync_back(s.orig, s.host, results.members_back(s.host));
+      }
+    }
     const size_t ret_base = stack->size() - traits.num_returns;
     for (size_t i = 0; i < traits.num_returns; ++i) {
       c10::IValue& iv = (*stack)[ret_base + i];
@@ -411,11 +468,19 @@ struct OpCall {
   }
 
   // What the kernel computes in: its first device tensor's dtype.
-  at::ScalarType dtype() const { return aliased.empty() ? at::kFloat : aliased.front().orig.scalar_type(); }
+  at::ScalarType dtype() const {
+    if (!sparse.empty()) return sparse.front().orig.scalar_type();  // its values' (aliased.front(): indices)
+    return aliased.empty() ? at::kFloat : aliased.front().orig.scalar_type();
+  }
 
   // Clocked mode: the kernel's place on the predicted timeline of its device's current stream.
   void clock() {
-    clock_kernel(op, traits, device, dtype(), traffic, arguments, stack->data() + (stack->size() - traits.num_returns));
+    const c10::IValue* results = stack->data() + (stack->size() - traits.num_returns);
+    if (C10_LIKELY(sparse.empty())) return clock_kernel(op, traits, device, dtype(), traffic, arguments, results);
+    // A sparse kernel moves its members; the FLOP formulas are dense ones.
+    OpTraits bytes_only = traits;
+    bytes_only.has_flops = bytes_only.has_implementation_traffic = false;
+    clock_kernel(op, bytes_only, device, dtype(), traffic, arguments, results);
   }
 
   // --check-races: the kernel reads and writes its arguments as its schema says and writes its fresh
@@ -430,8 +495,12 @@ struct OpCall {
       }
     }
     const size_t ret_base = stack->size() - traits.num_returns;
-    auto write_if_fresh = [&](const at::Tensor& out) {
+    std::function<void(const at::Tensor&)> write_if_fresh = [&](const at::Tensor& out) {
       if (!out.defined() || !out.is_cuda()) return;
+      if (is_sparse_layout(out)) {  // what it wrote is its members
+        for (const at::Tensor& member : sparse_members(out)) write_if_fresh(member);
+        return;
+      }
       for (const auto& a : aliased) {
         if (a.orig.is_alias_of(out)) return;  // an argument it wrote, counted above
       }
@@ -463,12 +532,14 @@ struct OpCall {
   }
 };
 
-void fallback_on_host(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack, HostKernel host) {
+void fallback_on_host(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack, HostKernel host) {
   if (C10_UNLIKELY(g_fault_ops.load(std::memory_order_relaxed))) fault_at_op();  // --fault ...:at=op:N
   if (capturing()) return capture_op(op, stack);  // recorded for replay, not run
   const OpTraits& traits = traits_of(op.schema());
-  if (C10_UNLIKELY(predict_only()) && predict_without_running(op, traits, stack)) return;  // shapes and time only
-  OpCall call{op, traits, stack};
+  const c10::DispatchKey cpu_key = host_key(keys);
+  // shapes and time only (a sparse kernel runs: what it makes depends on its data)
+  if (C10_UNLIKELY(predict_only()) && cpu_key == c10::DispatchKey::CPU && predict_without_running(op, traits, stack)) return;
+  OpCall call{op, traits, stack, cpu_key};
   call.alias_arguments();
   // torch.profiler's GPU side without clocked mode: the kernel as long as it ran here
   // (clocked mode counts launches where it places them, device_clock.cpp)
