@@ -27,7 +27,7 @@ MIN_FRACTION = 1891 / 1894 - 0.001
 # Ops whose failures are understood: {op name: reason}. A failure of any other op fails the test.
 KNOWN_FAILURES = {
     # As on a CUDA build: native_functions.yaml gives _sparse_mm_reduce_impl a SparseCsrCPU kernel
-    # only, so a GPU raises the same NotImplementedError (tests/emulated/test_sparse.py).
+    # only, so a GPU raises the same NotImplementedError (tests/emulated/test_sparse_and_nested.py).
     "sparse.mm": "the reduce variant has no SparseCsrCUDA kernel in a CUDA build either (_sparse_mm_reduce_impl)",
     # Seen only with OP_SWEEP_SAMPLES=all (later samples than the default first 3):
     "nn.functional.scaled_dot_product_attention": "with a mask that requires grad the device takes "

@@ -1,4 +1,5 @@
 #include "graph_capture.h"
+#include "sparse_and_nested.h"
 
 #include "config.h"
 #include "device_guard.h"
@@ -144,9 +145,12 @@ bool run_on_meta(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool c
   const size_t num_returns = op.schema().returns().size();
   const size_t ret_base = stack->size() - num_returns;
   for (size_t i = 0; i < num_returns; ++i) {
-    if (!(*stack)[ret_base + i].isTensor()) {
+    const c10::IValue& result = (*stack)[ret_base + i];
+    // a host value from device data, or a nested or sparse tensor, whose makeup follows from it
+    // (_nested_tensor_from_mask's components, to_sparse's nnz)
+    if (!result.isTensor() || has_members(result.toTensor())) {
       if (!capture) return give_back();
-      refuse_during_capture();  // a host value from device data
+      refuse_during_capture();
     }
   }
   for (size_t i = 0; i < num_returns; ++i) {

@@ -13,7 +13,7 @@
 #include "op_cost.h"
 #include "profiler_activities.h"
 #include "race_checker.h"
-#include "sparse_tensors.h"
+#include "sparse_and_nested.h"
 #include "unobserved_ops.h"
 
 #include <ATen/ATen.h>
@@ -22,7 +22,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <functional>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -142,8 +141,8 @@ static void clock_kernel(const c10::OperatorHandle& op, const OpTraits& traits, 
     if (results[i].isTensor() && results[i].toTensor().defined()) {
       const at::Tensor& out = results[i].toTensor();
       if (!out.is_cuda()) continue;
-      if (is_sparse_layout(out)) {  // its members are what the kernel wrote
-        for (const at::Tensor& member : sparse_members(out)) traffic.add(member, true);
+      if (has_members(out)) {  // its members are what the kernel wrote
+        for (const at::Tensor& member : members_of(out)) traffic.add(member, true);
       } else {
         traffic.add(out);
       }
@@ -156,7 +155,7 @@ static void clock_kernel(const c10::OperatorHandle& op, const OpTraits& traits, 
     const c10::IValue& beta = arguments[traits.beta];
     const at::Tensor& unread = arguments[0].toTensor();
     if (((beta.isDouble() && beta.toDouble() == 0) || (beta.isInt() && beta.toInt() == 0)) && unread.defined() &&
-        unread.is_cuda() && unread.layout() == c10::kStrided) {
+        unread.is_cuda() && !has_members(unread)) {
       traffic.bytes -= static_cast<int64_t>(unread.numel() * unread.itemsize());
     }
   }
@@ -213,11 +212,11 @@ static bool predict_without_running(const c10::OperatorHandle& op, const OpTrait
   bool steering = true;  // every device tensor in holds integers or bools, in a small storage
   c10::SmallVector<const void*, 8> inputs;  // their storages
   bool in_list = false;  // counting a list argument's tensors
-  bool sparse = false;   // a sparse argument: such kernels run (their nnz steers what they make)
+  bool with_members = false;  // a sparse or nested argument: such kernels run (their sizes steer what they make)
   auto count = [&](const at::Tensor& t) {
     if (!t.defined() || !t.is_cuda()) return t;
-    if (t.layout() != c10::kStrided) {
-      sparse = true;
+    if (has_members(t)) {
+      with_members = true;
       return t;
     }
     inputs.push_back(t.storage().data());
@@ -240,7 +239,7 @@ static bool predict_without_running(const c10::OperatorHandle& op, const OpTrait
       in_list = false;
     }
   }
-  if (device < 0 || sparse) return false;  // factories (no device tensor in): cheap, and their values may matter
+  if (device < 0 || with_members) return false;  // factories (no device tensor in): cheap, and their values may matter
   // Small kernels of integers and bools run: what they compute steers the program (the sizes
   // send_object_list concatenates and recv_object_list sums, token counts, indices), and the
   // host reads it as it is (is_phantom_dtype).
@@ -268,18 +267,18 @@ static bool predict_without_running(const c10::OperatorHandle& op, const OpTrait
 // memory of the device (in place where the result alone holds it, else on a new device storage
 // shared by its views), which is where the allocator model counts it. `Alias` has `orig` (a
 // device tensor, or a pointer to one) and `alias` (its CPU alias).
-// A device sparse argument and its host view (sparse_tensors.h).
-struct SparseView {
+// A device sparse or nested argument and its host view (sparse_and_nested.h).
+struct MembersView {
   at::Tensor orig;
   at::Tensor host;
-  SparseSnapshot given;  // what `host` held before the kernel
+  Snapshot given;  // what `host` held before the kernel
 };
 
 template <class Alias>
 struct DeviceResults {
   const c10::SmallVectorImpl<Alias>& aliased;
   DeviceIndex device;
-  const c10::SmallVectorImpl<SparseView>* sparse = nullptr;  // the call's sparse arguments
+  const c10::SmallVectorImpl<MembersView>* with_members = nullptr;  // the call's sparse and nested arguments
   c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 2> adopted{};
 
   static const at::Tensor& orig_of(const Alias& a) {
@@ -291,7 +290,7 @@ struct DeviceResults {
   }
 
   at::Tensor map_back(const at::Tensor& out) {
-    if (out.defined() && out.device().type() == DeviceType::CPU && is_sparse_layout(out)) return sparse_back(out);
+    if (out.defined() && out.device().type() == DeviceType::CPU && has_members(out)) return back_with_members(out);
     if (!out.defined() || out.device().type() != DeviceType::CPU || out.layout() != c10::kStrided) return out;
     c10::StorageImpl* s = out.storage().unsafeGetStorageImpl();
     for (auto& a : aliased) {
@@ -307,19 +306,20 @@ struct DeviceResults {
     return on_storage(adopted.back().second, out);
   }
 
-  // A sparse result: the argument it is (an in-place op's), or a device sparse tensor over its
-  // members as device tensors (a sparse kernel's, or a dense op's: to_sparse).
-  at::Tensor sparse_back(const at::Tensor& out) {
-    if (sparse != nullptr) {
-      for (const SparseView& s : *sparse) {
-        if (s.host.unsafeGetTensorImpl() == out.unsafeGetTensorImpl()) return s.orig;
+  // A sparse or nested result: the argument it is (an in-place op's), or a device tensor of its
+  // kind over its members as device tensors (such a kernel's, or a dense op's: to_sparse,
+  // _nested_tensor_from_mask).
+  at::Tensor back_with_members(const at::Tensor& out) {
+    if (with_members != nullptr) {
+      for (const MembersView& view : *with_members) {
+        if (view.host.unsafeGetTensorImpl() == out.unsafeGetTensorImpl()) return view.orig;
       }
     }
-    return sparse_over(out, members_back(out));
+    return over_members(out, members_back(out));
   }
 
-  SparseMembers members_back(const at::Tensor& host_sparse) {
-    SparseMembers members = sparse_members(host_sparse);
+  Members members_back(const at::Tensor& host) {
+    Members members = members_of(host);
     for (at::Tensor& member : members) member = map_back(member);
     return members;
   }
@@ -327,7 +327,7 @@ struct DeviceResults {
   // The common case, one fresh tensor that nothing else holds, is re-labelled in place.
   at::Tensor operator()(at::Tensor&& out) {
     if (out.defined() && out.device().type() == DeviceType::CPU && out.layout() == c10::kStrided &&
-        relabel_in_place(out, device)) {
+        !out.is_nested() && relabel_in_place(out, device)) {
       return std::move(out);
     }
     return map_back(out);
@@ -340,10 +340,10 @@ struct OpCall {
   const c10::OperatorHandle& op;
   const OpTraits& traits;
   torch::jit::Stack* stack;
-  c10::DispatchKey host_key;  // the CPU kernel's key: CPU, or SparseCPU / SparseCsrCPU (sparse_tensors.h)
+  c10::DispatchKey host_key;  // the CPU kernel's key: CPU, or SparseCPU / SparseCsrCPU / NestedTensorCPU
   c10::SmallVector<Aliased, 8> aliased;
   c10::SmallVector<bool, 8> aliased_written;  // --check-races: whether the kernel writes aliased[i]
-  c10::SmallVector<SparseView, 1> sparse;     // sparse arguments (their members are in `aliased`)
+  c10::SmallVector<MembersView, 1> with_members;  // sparse and nested arguments (their members are in `aliased`)
   DeviceIndex device = -1;
   KernelTraffic traffic;                // what the kernel reads and writes (clocked mode)
   std::vector<c10::IValue> arguments;   // kept for the FLOP formula and implementation traffic (clocked mode)
@@ -384,11 +384,11 @@ struct OpCall {
       } else if (d != device) {
         device_mismatch(c10::Device(DeviceType::CUDA, device), t.device(), op);
       }
-      if (C10_UNLIKELY(is_sparse_layout(t))) {  // a host view over CPU aliases of its members
-        SparseMembers members = sparse_members(t);
+      if (C10_UNLIKELY(has_members(t))) {  // a host view over CPU aliases of its members
+        Members members = members_of(t);
         for (at::Tensor& member : members) member = alias(member);
-        at::Tensor host = sparse_over(t, members);
-        sparse.push_back({t, host, snapshot(host)});
+        at::Tensor host = over_members(t, members);
+        with_members.push_back({t, host, snapshot(host)});
         return host;
       }
       return alias(t);
@@ -449,10 +449,10 @@ struct OpCall {
     if (!aliased.empty() && traits.is_mutable) {
       for (auto& a : aliased) sync_back(a.orig, a.alias);
     }
-    DeviceResults<Aliased> results{aliased, device, &sparse};
+    DeviceResults<Aliased> results{aliased, device, &with_members};
     if (traits.is_mutable) {  // a sparse argument written: its new members, as device tensors
-      for (const SparseView& s : sparse) {
-        if (written_since(s.host, s.given)) sparse_sync_back(s.orig, s.host, results.members_back(s.host));
+      for (const MembersView& view : with_members) {
+        if (written_since(view.host, view.given)) sync_members_back(view.orig, view.host, results.members_back(view.host));
       }
     }
     const size_t ret_base = stack->size() - traits.num_returns;
@@ -469,15 +469,15 @@ struct OpCall {
 
   // What the kernel computes in: its first device tensor's dtype.
   at::ScalarType dtype() const {
-    if (!sparse.empty()) return sparse.front().orig.scalar_type();  // its values' (aliased.front(): indices)
+    if (!with_members.empty()) return with_members.front().orig.scalar_type();  // (aliased.front(): indices)
     return aliased.empty() ? at::kFloat : aliased.front().orig.scalar_type();
   }
 
   // Clocked mode: the kernel's place on the predicted timeline of its device's current stream.
   void clock() {
     const c10::IValue* results = stack->data() + (stack->size() - traits.num_returns);
-    if (C10_LIKELY(sparse.empty())) return clock_kernel(op, traits, device, dtype(), traffic, arguments, results);
-    // A sparse kernel moves its members; the FLOP formulas are dense ones.
+    if (C10_LIKELY(with_members.empty())) return clock_kernel(op, traits, device, dtype(), traffic, arguments, results);
+    // A sparse or nested kernel moves its members; the FLOP formulas are of dense tensors.
     OpTraits bytes_only = traits;
     bytes_only.has_flops = bytes_only.has_implementation_traffic = false;
     clock_kernel(op, bytes_only, device, dtype(), traffic, arguments, results);
@@ -494,31 +494,32 @@ struct OpCall {
         kernel.read(aliased[i].orig);
       }
     }
-    const size_t ret_base = stack->size() - traits.num_returns;
-    std::function<void(const at::Tensor&)> write_if_fresh = [&](const at::Tensor& out) {
-      if (!out.defined() || !out.is_cuda()) return;
-      if (is_sparse_layout(out)) {  // what it wrote is its members
-        for (const at::Tensor& member : sparse_members(out)) write_if_fresh(member);
-        return;
+    // The results it wrote (a sparse or nested one: its members), kept here while the kernel
+    // points at them: gathered first, as the vector may move its elements while it grows.
+    c10::SmallVector<at::Tensor, 4> results;
+    auto gather = [&](const at::Tensor& out) {
+      if (!out.defined() || !out.is_cuda()) return out;
+      if (has_members(out)) {
+        for (at::Tensor& member : members_of(out)) results.push_back(std::move(member));
+      } else {
+        results.push_back(out);
       }
-      for (const auto& a : aliased) {
-        if (a.orig.is_alias_of(out)) return;  // an argument it wrote, counted above
-      }
-      kernel.write(out);
+      return out;
     };
-    c10::SmallVector<at::Tensor, 4> listed;  // results in lists, kept here while the kernel points at them
+    const size_t ret_base = stack->size() - traits.num_returns;
     for (size_t i = 0; i < traits.num_returns; ++i) {
       c10::IValue& iv = (*stack)[ret_base + i];
       if (iv.isTensor()) {
-        write_if_fresh(iv.toTensor());
+        gather(iv.toTensor());
       } else {
-        map_tensor_lists(iv, [&](const at::Tensor& t) {
-          listed.push_back(t);
-          return t;
-        });
+        map_tensor_lists(iv, gather);
       }
     }
-    for (const at::Tensor& t : listed) write_if_fresh(t);
+    for (const at::Tensor& out : results) {
+      const bool argument = std::any_of(aliased.begin(), aliased.end(),
+                                        [&](const Aliased& a) { return a.orig.is_alias_of(out); });
+      if (!argument) kernel.write(out);  // (an argument it wrote is counted above)
+    }
     if (traits.synchronizes) kernel.host_reads_result();
     kernel.commit();
   }
@@ -537,7 +538,7 @@ void fallback_on_host(const c10::OperatorHandle& op, c10::DispatchKeySet keys, t
   if (capturing()) return capture_op(op, stack);  // recorded for replay, not run
   const OpTraits& traits = traits_of(op.schema());
   const c10::DispatchKey cpu_key = host_key(keys);
-  // shapes and time only (a sparse kernel runs: what it makes depends on its data)
+  // shapes and time only (a sparse or nested kernel runs: what it makes depends on its data)
   if (C10_UNLIKELY(predict_only()) && cpu_key == c10::DispatchKey::CPU && predict_without_running(op, traits, stack)) return;
   OpCall call{op, traits, stack, cpu_key};
   call.alias_arguments();

@@ -1,4 +1,5 @@
-"""Sparse tensors (COO, CSR, CSC, BSR, BSC) on the emulated GPU, as a CUDA build has them.
+"""Sparse tensors (COO, CSR, CSC, BSR, BSC) and nested tensors on the emulated GPU, as a CUDA
+build has them.
 
 Each result is compared with the same op on the CPU; the kernels the device has are checked against
 the dispatch table torch's own native_functions.yaml (shipped in the wheel with torchgen) gives a
@@ -134,21 +135,77 @@ def _dispatch_keys_by_function(table: Path) -> dict[str, set[str]]:
     return keys
 
 
-def test_the_device_has_the_sparse_kernels_a_cuda_build_has():
+def test_the_device_has_the_sparse_and_nested_kernels_a_cuda_build_has():
     table = Path(torchgen.__file__).parent / "packaged" / "ATen" / "native" / "native_functions.yaml"
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
     differences, checked = [], 0
     for name, keys in _dispatch_keys_by_function(table).items():
-        for cpu, cuda in (("SparseCPU", "SparseCUDA"), ("SparseCsrCPU", "SparseCsrCUDA")):
+        for cpu, cuda in (("SparseCPU", "SparseCUDA"), ("SparseCsrCPU", "SparseCsrCUDA"),
+                          ("NestedTensorCPU", "NestedTensorCUDA")):
             if cpu not in keys:
                 continue  # (a CUDA-only sparse kernel has no CPU kernel the device could run)
             checked += 1
             if has_kernel(name, cuda) != (cuda in keys):
                 differences.append(f"{name}: {cuda} {'missing' if cuda in keys else 'present on the device only'}")
-    assert checked > 250 and differences == []
+    assert checked > 350 and differences == []
 
 
 def test_an_op_with_a_sparse_cpu_kernel_only_refuses_as_on_cuda():
     csr = _dense_with_zeros(4, 4).to_sparse_csr().to(DEVICE)
     with pytest.raises(NotImplementedError, match="'aten::_sparse_mm_reduce_impl' with arguments from the 'SparseCsrCUDA'"):
         torch.sparse.mm(csr, torch.ones(4, 2, device=DEVICE), "sum")
+
+
+def _ragged(seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(length, 6, generator=generator) for length in (2, 5, 3)]
+
+
+def test_nested_tensors_compute_on_the_device_what_the_cpu_computes():
+    on_cpu = torch.nested.nested_tensor(_ragged())
+    on_device = torch.nested.nested_tensor(_ragged(), device=DEVICE)
+    assert on_device.is_nested and on_device.device == torch.device(DEVICE)
+    weight = torch.randn(6, 4, generator=torch.Generator().manual_seed(3)).contiguous()
+    for compute in (lambda t: t * 2 + t, lambda t: torch.nn.functional.softmax(t, -1),
+                    lambda t: torch.nn.functional.linear(t, weight.T.to(t.device)),
+                    lambda t: t.transpose(1, 2).contiguous()):
+        got, expected = compute(on_device), compute(on_cpu)
+        assert got.is_nested and got.device == torch.device(DEVICE)
+        torch.testing.assert_close(got.to_padded_tensor(0.0).cpu(), expected.to_padded_tensor(0.0))
+    pieces = on_device.unbind()
+    assert [p.device for p in pieces] == [torch.device(DEVICE)] * 3
+    assert all(torch.equal(p.cpu(), e) for p, e in zip(pieces, _ragged(), strict=True))
+
+
+def test_a_transformer_encoder_with_a_padding_mask_takes_the_nested_fast_path_as_on_a_gpu(monkeypatch):
+    """nn.TransformerEncoder in eval mode turns padded batches into nested tensors
+    (torch._nested_tensor_from_mask) and runs the fused encoder layer on them."""
+    made_nested = []
+    from_mask = torch._nested_tensor_from_mask
+    monkeypatch.setattr(torch, "_nested_tensor_from_mask",
+                        lambda *args, **kwargs: made_nested.append(args[0].device) or from_mask(*args, **kwargs))
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    x = torch.randn(3, 5, 8)
+    padding = torch.zeros(3, 5, dtype=torch.bool)
+    padding[0, 3:] = True
+    padding[2, 1:] = True
+    with torch.no_grad():
+        expected = encoder(x, src_key_padding_mask=padding)
+        got = encoder.to(DEVICE)(x.to(DEVICE), src_key_padding_mask=padding.to(DEVICE))
+    assert made_nested == [torch.device("cpu"), torch.device(DEVICE)]  # the fast path, on both
+    assert got.device == torch.device(DEVICE) and not got.is_nested
+    torch.testing.assert_close(got.cpu(), expected)
+
+
+def test_the_allocator_counts_a_nested_tensors_storage():
+    torch.cuda.synchronize(DEVICE)
+    before = torch.cuda.memory_allocated(DEVICE)
+    nested = torch.nested.nested_tensor([torch.ones(1000), torch.ones(500)], device=DEVICE)  # 6,000 bytes
+    held = torch.cuda.memory_allocated(DEVICE) - before
+    assert 6_000 <= held <= 2 * 6_000, held
+    doubled = nested * 2
+    assert torch.cuda.memory_allocated(DEVICE) - before >= 2 * 6_000
+    del nested, doubled
+    assert torch.cuda.memory_allocated(DEVICE) == before
