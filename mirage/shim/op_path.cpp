@@ -52,6 +52,16 @@ struct Aliased {
       "API (e.g. torch.nn.functional), which takes an emulated path.");
 }
 
+// A quantized result (torch.quantize_per_tensor and its kin on a device tensor): a CUDA build
+// keeps it as a QuantizedCUDA tensor with 39 kernels; mirage has none, and re-labelling the CPU
+// kernel's quantized result as a plain device tensor would drop its quantizer unnoticed.
+[[noreturn]] static void quantized_not_emulated() {
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "mirage: quantized tensors (QuantizedCUDA: torch.quantize_per_tensor, "
+      "quantize_per_channel and their kin on a GPU tensor) are not emulated on the emulated device (README: "
+      "'CUDA-only operators'). Fix: quantize on the CPU, or use torch.ao's fake quantization, whose tensors "
+      "stay floating point.");
+}
+
 // What the op path reads of an operator's schema, read once per thread and operator: walking
 // the schema (argument types, alias annotations) on every call cost more than the lookup.
 struct OpTraits {
@@ -290,6 +300,7 @@ struct DeviceResults {
   }
 
   at::Tensor map_back(const at::Tensor& out) {
+    if (C10_UNLIKELY(out.defined() && out.is_quantized())) quantized_not_emulated();
     if (out.defined() && out.device().type() == DeviceType::CPU && has_members(out)) return back_with_members(out);
     if (!out.defined() || out.device().type() != DeviceType::CPU || out.layout() != c10::kStrided) return out;
     c10::StorageImpl* s = out.storage().unsafeGetStorageImpl();
@@ -327,7 +338,7 @@ struct DeviceResults {
   // The common case, one fresh tensor that nothing else holds, is re-labelled in place.
   at::Tensor operator()(at::Tensor&& out) {
     if (out.defined() && out.device().type() == DeviceType::CPU && out.layout() == c10::kStrided &&
-        !out.is_nested() && relabel_in_place(out, device)) {
+        !out.is_nested() && !out.is_quantized() && relabel_in_place(out, device)) {
       return std::move(out);
     }
     return map_back(out);

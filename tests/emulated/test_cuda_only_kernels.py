@@ -132,6 +132,11 @@ def test_a_cuda_only_operator_that_is_not_emulated_says_so():
         torch.ops.aten.mm.dtype(a, a, torch.float32)
 
 
+def test_a_quantized_device_tensor_is_refused_rather_than_made_a_plain_one():
+    with pytest.raises(NotImplementedError, match=r"mirage: quantized tensors \(QuantizedCUDA.*Fix: quantize on the CPU"):
+        torch.quantize_per_tensor(torch.randn(6, device="cuda"), 0.1, 0, torch.qint8)
+
+
 # PyTorch's test_transformers.py (test_mem_efficient_attention_attn_mask_vs_math_ref_grads) judges
 # a GPU's memory-efficient attention with a mask that requires grad against a float64 math
 # reference, allowing a multiple ("fudge factor") of how far the same-precision math backend
