@@ -272,11 +272,6 @@ static bool predict_without_running(const c10::OperatorHandle& op, const OpTrait
   return true;
 }
 
-// A CPU kernel's results as device tensors: an argument's alias -> the argument; a view of an
-// alias -> a view of the argument's storage; anything else is fresh CPU memory, re-labelled as
-// memory of the device (in place where the result alone holds it, else on a new device storage
-// shared by its views), which is where the allocator model counts it. `Alias` has `orig` (a
-// device tensor, or a pointer to one) and `alias` (its CPU alias).
 // A device sparse or nested argument and its host view (sparse_and_nested.h).
 struct MembersView {
   at::Tensor orig;
@@ -284,6 +279,11 @@ struct MembersView {
   Snapshot given;  // what `host` held before the kernel
 };
 
+// A CPU kernel's results as device tensors: an argument's alias -> the argument; a view of an
+// alias -> a view of the argument's storage; anything else is fresh CPU memory, re-labelled as
+// memory of the device (in place where the result alone holds it, else on a new device storage
+// shared by its views), which is where the allocator model counts it. `Alias` has `orig` (a
+// device tensor, or a pointer to one) and `alias` (its CPU alias).
 template <class Alias>
 struct DeviceResults {
   const c10::SmallVectorImpl<Alias>& aliased;
@@ -449,7 +449,7 @@ struct OpCall {
     try {
       op.redispatchBoxed(c10::DispatchKeySet(host_key), stack);
     } catch (const c10::NotImplementedError&) {
-      if (op.hasKernelForDispatchKey(c10::DispatchKey::CPU)) throw;
+      if (op.hasKernelForDispatchKey(host_key)) throw;
       not_emulated(op);
     }
   }
