@@ -18,11 +18,12 @@ import time
 from conftest import REPO, record_sweep
 
 # The counts docs/conformance.md and README.md give (op_db, first 3 float32 samples, torch 2.13.0):
-# 1891 of 1894 samples pass, over 677 ops. A torch update may add or drop a few samples.
-DOCUMENTED_TOTAL = 1894
-DOCUMENTED_OPS = 677
+# 1885 of 1888 samples pass, over 675 ops (histogram and histogramdd, CPU-only in a CUDA build,
+# are left out as PyTorch's GPU tests leave them). A torch update may add or drop a few samples.
+DOCUMENTED_TOTAL = 1888
+DOCUMENTED_OPS = 675
 DRIFT = 5
-MIN_FRACTION = 1891 / 1894 - 0.001
+MIN_FRACTION = 1885 / 1888 - 0.001
 
 # Ops whose failures are understood: {op name: reason}. A failure of any other op fails the test.
 KNOWN_FAILURES = {

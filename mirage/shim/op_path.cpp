@@ -21,9 +21,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <type_traits>
 #include <unordered_map>
@@ -728,10 +730,46 @@ static std::vector<HotOp> hot_ops() {
 
 }  // namespace unboxed
 
+// The operators a CUDA build has a CPU kernel for and neither a CUDA nor a composite one
+// (native_functions.yaml, which torchgen ships in the wheel), so that a device tensor makes the
+// dispatcher raise: torch.histogram (torch.histc is the GPU's), to_mkldnn, from_file,
+// sparse.spdiags, the CPU's int4 and mkldnn kernels. tests/emulated/test_op_path.py checks the
+// list against the installed torch's yaml. Left out: torch.compile's `_functional_assert_async.msg`
+// and `_make_dep_token`, which a CUDA build's compiled graphs never reach with device tensors, and
+// `_scaled_dot_product_flash_attention_for_cpu` and its backward, which are the emulated device's
+// own flash attention (fused_attention.cpp).
+static constexpr std::array<std::string_view, 34> kCpuOnlyInACudaBuild{
+    "_add_relu.Tensor", "_add_relu_.Tensor", "_add_relu.out", "_add_relu.Scalar", "_add_relu_.Scalar",
+    "_test_functorch_fallback", "_empty_affine_quantized", "_empty_per_channel_affine_quantized", "from_file",
+    "mkldnn_rnn_layer", "mkldnn_rnn_layer_backward", "_convert_weight_to_int4pack_for_cpu",
+    "_weight_int4pack_mm_for_cpu", "_dyn_quant_pack_4bit_weight", "_dyn_quant_matmul_4bit", "narrow_copy.out",
+    "_spdiags", "to_mkldnn", "quantize_per_tensor.tensors", "histogram.bins_tensor_out", "histogram.bins_tensor",
+    "histogram.bin_ct_out", "histogram.bin_ct", "_histogramdd_bin_edges", "_histogramdd_from_bin_cts",
+    "_histogramdd_from_bin_tensors", "_upsample_lanczos2d_aa.out", "_upsample_lanczos2d_aa_backward.grad_input",
+    "slow_conv3d_forward.output", "slow_conv3d_forward", "_test_optional_intlist", "_test_optional_filled_intlist",
+    "_test_optional_floatlist", "_foobar"};
+
+MIRAGE_LIBRARY(m) {  // (what tests/emulated/test_op_path.py checks against the yaml)
+  m.def("cpu_only_in_a_cuda_build() -> str[]", []() {
+    return std::vector<std::string>(kCpuOnlyInACudaBuild.begin(), kCpuOnlyInACudaBuild.end());
+  });
+}
+
+// Such an operator called with device tensors: the dispatcher's own words on a CUDA build.
+static void no_cuda_kernel_in_a_cuda_build(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack*) {
+  const std::string name = c10::toString(op.operator_name());
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "Could not run '", name, "' with arguments from the 'CUDA' backend. This "
+      "could be because the operator doesn't exist for this backend, or was omitted during the selective/custom "
+      "build process (if using custom build). If you are a Facebook employee using PyTorch on mobile, please visit "
+      "https://fburl.com/ptmfixes for possible resolutions. '", name, "' is only available for the CPU backend in "
+      "a CUDA build of torch (native_functions.yaml).");
+}
+
 // Aten ops with a CPU kernel but no CUDA kernel would otherwise reach CUDA through a
 // CompositeExplicitAutogradNonFunctional "default backend kernel" (a functional wrapper around
 // the out= variant), which behaves differently from the CPU path (extra out= resizes, warnings).
-// Give every such aten op the fallback explicitly, so CUDA runs exactly the CPU kernel.
+// Give every such aten op the fallback explicitly, so CUDA runs exactly the CPU kernel; those a
+// CUDA build has no CUDA kernel for raise as there.
 static const int g_register_cpu_twins = [] {
   static torch::Library aten(torch::Library::IMPL, "aten", c10::DispatchKey::CUDA, __FILE__, __LINE__);
   auto& dispatcher = c10::Dispatcher::singleton();
@@ -744,6 +782,10 @@ static const int g_register_cpu_twins = [] {
     if (!op || !op->hasKernelForDispatchKey(c10::DispatchKey::CPU)) continue;
     if (op->hasKernelForDispatchKey(c10::DispatchKey::CUDA)) continue;
     std::string qualified = name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name);
+    if (std::find(kCpuOnlyInACudaBuild.begin(), kCpuOnlyInACudaBuild.end(), qualified) != kCpuOnlyInACudaBuild.end()) {
+      aten.impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&no_cuda_kernel_in_a_cuda_build>());
+      continue;
+    }
     auto fast = std::find_if(hot.begin(), hot.end(), [&](const unboxed::HotOp& entry) { return entry.name == qualified; });
     aten.impl(qualified.c_str(), fast != hot.end() ? fast->kernel() : torch::CppFunction::makeFromBoxedFunction<&fallback>());
   }

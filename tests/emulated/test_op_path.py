@@ -2,7 +2,9 @@
 
 import threading
 
+import pytest
 import torch
+from cuda_build_table import dispatch_keys_by_function
 
 
 class _RecordThread(torch.autograd.Function):
@@ -86,3 +88,31 @@ def test_aliases_recycled_across_dtypes_and_conjugate_views():
     assert torch.equal((ints * 3).cpu(), torch.arange(10) * 3)
     doubles = torch.linspace(0, 1, 5, dtype=torch.float64, device="cuda")
     assert torch.equal(doubles.sqrt().cpu(), torch.linspace(0, 1, 5, dtype=torch.float64).sqrt())
+
+
+# torch.compile's own ops, which a CUDA build's compiled graphs never reach with device tensors,
+# and the CPU flash attention kernels, which are the emulated device's flash attention
+STILL_RUN = {"aten::_functional_assert_async.msg", "aten::_make_dep_token",
+             "aten::_scaled_dot_product_flash_attention_for_cpu",
+             "aten::_scaled_dot_product_flash_attention_for_cpu_backward"}
+
+
+def test_the_operators_a_cuda_build_runs_only_on_the_cpu_are_the_ones_the_device_refuses():
+    composite = {"CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional", "CompositeImplicitAutograd"}
+    cpu_only = {name for name, keys in dispatch_keys_by_function().items()
+                if "CPU" in keys and "CUDA" not in keys and not keys & composite}
+    refused = {"aten::" + name for name in torch.ops.mirage.cpu_only_in_a_cuda_build()}
+    assert len(refused) > 30 and refused == cpu_only - STILL_RUN
+
+
+@pytest.mark.parametrize("call, op", [
+    (lambda x: torch.histogram(x, bins=4), "aten::histogram.bin_ct"),
+    (lambda x: x.to_mkldnn(), "aten::to_mkldnn"),
+    (lambda x: torch.sparse.spdiags(x[:3].reshape(1, 3), torch.tensor([0]), (3, 3)), "aten::_spdiags"),
+    (lambda x: torch.ops.aten._add_relu(x, x), "aten::_add_relu.Tensor"),
+])
+def test_a_cpu_only_operator_on_a_device_tensor_raises_the_dispatchers_error_as_on_a_gpu(call, op):
+    x = torch.rand(16, device="cuda")
+    with pytest.raises(NotImplementedError, match=f"Could not run '{op}' with arguments from the 'CUDA' backend"):
+        call(x)
+    assert torch.histc(x, bins=4).sum().item() == 16  # the GPU's histogram

@@ -7,11 +7,10 @@ CUDA build.
 """
 
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
-import torchgen
+from cuda_build_table import dispatch_keys_by_function
 
 DEVICE = "cuda:3"
 LAYOUTS = {
@@ -117,29 +116,10 @@ def test_the_allocator_counts_a_sparse_tensors_members():
     assert torch.cuda.memory_allocated(DEVICE) == before
 
 
-def _dispatch_keys_by_function(table: Path) -> dict[str, set[str]]:
-    """native_functions.yaml's `dispatch:` keys of each function (its `- func:` entries and the
-    indented `Key, Key: kernel` lines under their `dispatch:`), read without a YAML library."""
-    keys: dict[str, set[str]] = {}
-    name, in_dispatch = "", False
-    for line in table.read_text().splitlines():
-        if line.startswith("- func:"):
-            name, in_dispatch = "aten::" + line.split(":", 1)[1].strip().split("(")[0], False
-            keys[name] = set()
-        elif line.strip() == "dispatch:":
-            in_dispatch = True
-        elif in_dispatch and line.startswith("    ") and ":" in line:
-            keys[name].update(key.strip() for key in line.split(":", 1)[0].split(","))
-        elif not line.startswith("    "):
-            in_dispatch = False
-    return keys
-
-
 def test_the_device_has_the_sparse_and_nested_kernels_a_cuda_build_has():
-    table = Path(torchgen.__file__).parent / "packaged" / "ATen" / "native" / "native_functions.yaml"
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
     differences, checked = [], 0
-    for name, keys in _dispatch_keys_by_function(table).items():
+    for name, keys in dispatch_keys_by_function().items():
         for cpu, cuda in (("SparseCPU", "SparseCUDA"), ("SparseCsrCPU", "SparseCsrCUDA"),
                           ("NestedTensorCPU", "NestedTensorCUDA")):
             if cpu not in keys:
