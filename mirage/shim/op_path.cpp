@@ -4,6 +4,7 @@
 #include "busy_time.h"
 #include "config.h"
 #include "cpu_allocator.h"
+#include "cuda_dtypes.h"
 #include "device_guard.h"
 #include "faults.h"
 #include "generators.h"
@@ -84,6 +85,7 @@ struct OpTraits {
   int32_t grads_unscaled_by = -1;
   int32_t beta = -1;  // a BLAS op's `beta` argument (addmm, baddbmm, ...): with 0, cuBLAS does not read `self`
   uint64_t written = 0;  // bit i: argument i is written (Tensor(a!)), for --check-races
+  const CudaDtypes* cuda_dtypes = nullptr;  // a CUDA kernel whose dtypes differ from the CPU kernel's (cuda_dtypes.h)
 };
 
 static const OpTraits& traits_of(const c10::FunctionSchema& schema) {
@@ -112,6 +114,7 @@ static const OpTraits& traits_of(const c10::FunctionSchema& schema) {
         "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique_dim",
         "aten::_unique2", "aten::unique_consecutive", "aten::equal", "aten::is_nonzero"};
     traits.synchronizes = synchronizing.count(schema.name()) != 0;
+    traits.cuda_dtypes = cuda_dtypes_of(schema);
     if (timing()) {
       traits.has_flops = has_flop_formula(schema);
       traits.has_implementation_traffic = has_implementation_traffic(schema);
@@ -354,6 +357,7 @@ struct OpCall {
   const OpTraits& traits;
   torch::jit::Stack* stack;
   c10::DispatchKey host_key;  // the CPU kernel's key: CPU, or SparseCPU / SparseCsrCPU / NestedTensorCPU
+  bool widened;               // the CPU kernel runs one dtype wider, as the CUDA kernel computes (cuda_dtypes.h)
   c10::SmallVector<Aliased, 8> aliased;
   c10::SmallVector<bool, 8> aliased_written;  // --check-races: whether the kernel writes aliased[i]
   c10::SmallVector<MembersView, 1> with_members;  // sparse and nested arguments (their members are in `aliased`)
@@ -448,6 +452,7 @@ struct OpCall {
   // The CPU build's kernel, or the host kernel the caller gave for an op a CPU build has none for.
   void run_cpu_kernel(HostKernel host) {
     if (host != nullptr) return host(stack);
+    if (widened) return run_widened(*traits.cuda_dtypes, op, host_key, stack);
     try {
       op.redispatchBoxed(c10::DispatchKeySet(host_key), stack);
     } catch (const c10::NotImplementedError&) {
@@ -548,12 +553,15 @@ struct OpCall {
 
 void fallback_on_host(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack, HostKernel host) {
   if (C10_UNLIKELY(g_fault_ops.load(std::memory_order_relaxed))) fault_at_op();  // --fault ...:at=op:N
-  if (capturing()) return capture_op(op, stack);  // recorded for replay, not run
   const OpTraits& traits = traits_of(op.schema());
+  // a dtype the CUDA kernel refuses raises as there; one it takes and the CPU kernel lacks is widened
+  const bool widened = C10_UNLIKELY(traits.cuda_dtypes != nullptr) && host == nullptr &&
+      check_cuda_dtypes(*traits.cuda_dtypes, op, stack->data() + (stack->size() - traits.num_args), traits.num_args);
+  if (capturing()) return capture_op(op, stack);  // recorded for replay, not run
   const c10::DispatchKey cpu_key = host_key(keys);
   // shapes and time only (a sparse or nested kernel runs: what it makes depends on its data)
   if (C10_UNLIKELY(predict_only()) && cpu_key == c10::DispatchKey::CPU && predict_without_running(op, traits, stack)) return;
-  OpCall call{op, traits, stack, cpu_key};
+  OpCall call{op, traits, stack, cpu_key, widened};
   call.alias_arguments();
   // torch.profiler's GPU side without clocked mode: the kernel as long as it ran here
   // (clocked mode counts launches where it places them, device_clock.cpp)
@@ -659,8 +667,25 @@ struct Kernel<Op, Ret(Args...)> {
                                                               keys, std::forward<Args>(args)...);
   }
 
+  // The dtype of its first tensor argument, which its CUDA kernel dispatches on.
+  static std::optional<c10::ScalarType> first_dtype(const std::remove_reference_t<Args>&... args) {
+    std::optional<c10::ScalarType> found;
+    auto look = [&](const auto& arg) {
+      if constexpr (std::is_same_v<std::decay_t<decltype(arg)>, at::Tensor>) {
+        if (!found && arg.defined()) found = arg.scalar_type();
+      }
+    };
+    (look(args), ...);
+    return found;
+  }
+
   static Ret call(c10::DispatchKeySet keys, Args... args) {
     if (!plain()) return boxed(keys, std::forward<Args>(args)...);
+    static const CudaDtypes* const cuda_dtypes = cuda_dtypes_of(handle().schema());
+    if (C10_UNLIKELY(cuda_dtypes != nullptr)) {  // (cuda_dtypes.h: mm of integers, complex32 sums)
+      const std::optional<c10::ScalarType> dtype = first_dtype(args...);
+      if (dtype && needs_cuda_dtype_check(cuda_dtypes, *dtype)) return boxed(keys, std::forward<Args>(args)...);
+    }
     Call call;
     std::tuple<Converted<Args>...> cpu_args{call.convert(args)...};
     if (!call.one_device) {

@@ -8,6 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from opinfo import op_db
+
 
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
 @pytest.mark.parametrize("bias", [True, False])
@@ -144,18 +146,6 @@ def test_a_quantized_device_tensor_is_refused_rather_than_made_a_plain_one():
 FUDGE = {"out": 4.0, "grad_query": 160.0, "grad_key": 25.0, "grad_value": 8.0, "grad_attn_mask": 45.0}
 
 
-def _op_db() -> list:
-    """PyTorch's OpInfo database. Importing it imports torch's test harness, which freezes the
-    global backend flags (torch.backends.disable_global_flags) for the whole process: the later
-    tests of this session (the programs under test) may set them, so they are thawed again."""
-    frozen = torch.backends.flags_frozen()
-    from torch.testing._internal.common_methods_invocations import op_db
-
-    if not frozen:  # the flag lives in the globals of torch.backends' functions
-        torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
-    return op_db
-
-
 def test_memory_efficient_attention_with_a_mask_gradient_is_as_close_as_a_gpus():
     """The op sweep's known SDPA failure (tests/test_op_sweep.py, OP_SWEEP_SAMPLES=all): with a mask
     that requires grad the device takes memory-efficient attention, as a GPU does, the CPU math, and
@@ -168,7 +158,7 @@ def test_memory_efficient_attention_with_a_mask_gradient_is_as_close_as_a_gpus()
     grad_value 8.1e-6 / 1.0e-6 / 8.4e-6, grad_attn_mask 2.7e-5 / 2.0e-5 / 9.2e-4."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    op = next(o for o in _op_db() if o.name == "nn.functional.scaled_dot_product_attention")
+    op = next(o for o in op_db() if o.name == "nn.functional.scaled_dot_product_attention")
     torch.manual_seed(0)
     checked = 0
     for sample in op.sample_inputs("cpu", torch.float32, requires_grad=True):
