@@ -131,6 +131,8 @@ static const std::array kCudaDtypes = {
     CudaDtypes{"sum", nullptr, 0, kComplexHalf},
     CudaDtypes{"tan", nullptr, 0, kComplexHalf},
     CudaDtypes{"tanh", nullptr, 0, kComplexHalf},
+    CudaDtypes{"tanh_backward", nullptr, 0, kComplexHalf},
+    CudaDtypes{"sigmoid_backward", nullptr, 0, kComplexHalf},
     // bool: abs is the identity (abs_cuda takes Bool), trace sums the diagonal into int64.
     CudaDtypes{"abs", nullptr, 0, kBool},
     CudaDtypes{"trace", nullptr, 0, kBool | kComplexHalf},

@@ -24,6 +24,11 @@ NOT_EMULATED = {"torch.ops.aten._efficient_attention_forward", "torch.ops.aten._
 # Random ops: the device draws from its own generator, so only dtypes and shapes are compared.
 RANDOM = {"nn.functional.rrelu"}
 SAMPLES = 3
+# The reference gradient cannot be taken: a sparse result's backward in bfloat16 and float16 fails
+# on the CPU too (to(options) of its dense gradient); complex nansum's is refused by the CPU in
+# float64 as in any dtype, so its gradients are compared by dtype and device only.
+BACKWARD_ON_THE_CPU_FAILS = {"to_sparse"}
+NO_FLOAT64_GRADIENT = {"nansum", "nanmean"}
 # Where the device still differs from a GPU, and why.
 KNOWN_DIFFERENCES = {
     **{name: "a GPU's integer convolution fails in cuDNN's (or MIOpen's) descriptor setup, which mirage does not "
@@ -32,8 +37,8 @@ KNOWN_DIFFERENCES = {
         "nn.functional.conv_transpose2d", "nn.functional.conv_transpose3d")},
     **{name: "the architecture-specific float8 format checks of a GPU's scaled matmul are not reproduced" for name in (
         "torch._scaled_mm", "torch._scaled_mm_v2")},
-    "norm": "a GPU reduces a complex32 norm without an error (pytorch/pytorch#132634, a wrong result); the CPU "
-            "kernel the device runs refuses it",
+    "norm": "op_db gives CUDA no complex32 norm: a GPU's kernel reduces it without an error, wrongly "
+            "(pytorch/pytorch#132634); the device computes it right",
     "norm.inf": "as norm",
 }
 
@@ -42,10 +47,11 @@ def _name(op) -> str:
     return op.name + ("." + op.variant_test_name if op.variant_test_name else "")
 
 
-def _dtype_differences() -> tuple[list, list]:
+def _dtype_differences() -> tuple[list, list, list, list]:
     """(op, dtype) pairs a CUDA build's kernels take and the CPU's lack, the other way round, and
-    those of the other way round that KNOWN_DIFFERENCES names."""
-    cuda_only, cpu_only, known_differences = [], [], []
+    those of the other way round that KNOWN_DIFFERENCES names, and the dtypes a CUDA build
+    differentiates and the CPU's does not."""
+    cuda_only, cpu_only, known_differences, backward = [], [], [], []
     for op in op_db():
         if _name(op) in NOT_EMULATED:
             continue
@@ -53,10 +59,13 @@ def _dtype_differences() -> tuple[list, list]:
         cuda_only += [pytest.param(op, dtype, id=f"{_name(op)}-{dtype}") for dtype in sorted(cuda - cpu, key=str)]
         known = known_differences if _name(op) in KNOWN_DIFFERENCES else cpu_only
         known += [pytest.param(op, dtype, id=f"{_name(op)}-{dtype}") for dtype in sorted(cpu - cuda, key=str)]
-    return cuda_only, cpu_only, known_differences
+        if op.supports_autograd and _name(op) not in BACKWARD_ON_THE_CPU_FAILS:
+            cpu, cuda = set(op.supported_backward_dtypes("cpu")), set(op.supported_backward_dtypes("cuda"))
+            backward += [pytest.param(op, dtype, id=f"{_name(op)}-{dtype}") for dtype in sorted(cuda - cpu, key=str)]
+    return cuda_only, cpu_only, known_differences, backward
 
 
-CUDA_ONLY, CPU_ONLY, STILL_DIFFERENT = _dtype_differences()
+CUDA_ONLY, CPU_ONLY, STILL_DIFFERENT, CUDA_ONLY_BACKWARD = _dtype_differences()
 
 
 def _map(value, fn):
@@ -121,6 +130,41 @@ def test_the_dtypes_a_cuda_kernel_takes_and_a_cpu_kernel_lacks_run_as_on_a_gpu(o
             tolerance = _tolerance(g.dtype)
             torch.testing.assert_close(g.cpu().to(r.dtype), r.to(g.dtype).to(r.dtype), rtol=tolerance["rtol"],
                                        atol=tolerance["atol"] * scale, equal_nan=True, msg=lambda m: f"{_name(op)} {dtype}: {m}")
+
+
+def _gradients(op, sample, inputs: list[torch.Tensor]) -> tuple:
+    outputs = [o for o in _outputs(op(sample.input, *sample.args, **sample.kwargs)) if o.requires_grad]
+    loss = sum((o.real if o.is_complex() else o).sum() for o in outputs)
+    return torch.autograd.grad(loss, inputs, allow_unused=True)
+
+
+@pytest.mark.parametrize(("op", "dtype"), CUDA_ONLY_BACKWARD)
+def test_the_gradients_a_cuda_build_takes_in_dtypes_the_cpu_lacks_are_a_gpus(op, dtype):
+    for sample in list(op.sample_inputs("cuda", dtype, requires_grad=True))[:SAMPLES]:
+        inputs = [t for t in (sample.input, *sample.args) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not inputs:
+            continue
+        if _name(op) in NO_FLOAT64_GRADIENT:
+            for got, given in zip(_gradients(op, sample, inputs), inputs, strict=True):
+                assert got is not None and got.is_cuda and got.dtype == given.dtype
+            continue
+        wide = sample.transform(lambda t: t.detach().cpu().to(torch.complex128 if t.is_complex() else torch.float64)
+                                .requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) and t.dtype == dtype else
+                                t.detach().cpu() if isinstance(t, torch.Tensor) else t)
+        wide_inputs = [t for t in (wide.input, *wide.args) if isinstance(t, torch.Tensor) and t.requires_grad]
+        for got, expected, given in zip(_gradients(op, sample, inputs), _gradients(op, wide, wide_inputs), inputs, strict=True):
+            assert got is None or (got.is_cuda and got.dtype == given.dtype), f"{_name(op)} {dtype}: {got}"
+            if got is None or _name(op) in RANDOM:
+                continue
+            # a backward formula of several ops in float16 or complex32 overflows where float64 does
+            # not, on a GPU too (pow's, logaddexp's, polygamma's): compared where it did not
+            finite = got.cpu().isfinite()
+            got, expected = got.cpu()[finite], expected[finite]
+            scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
+            tolerance = _tolerance(dtype)
+            torch.testing.assert_close(got.cpu().to(expected.dtype), expected, rtol=4 * tolerance["rtol"],
+                                       atol=4 * tolerance["atol"] * scale, equal_nan=True,
+                                       msg=lambda m: f"{_name(op)} {dtype} gradient: {m}")
 
 
 @pytest.mark.parametrize(("op", "dtype"), CPU_ONLY)
