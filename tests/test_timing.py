@@ -671,3 +671,26 @@ def test_a_tuning_file_overrides_the_model_and_is_shown_with_its_source(tmp_path
     slower = last_json(run.stdout)["gemm_ms"]
     assert slower == pytest.approx(expected_gemm_ms("h100", 4096, gemm_efficiency=0.5), rel=1e-3)
     assert slower > expected_gemm_ms("h100", 4096) * 1.5
+
+
+def test_an_out_dtype_matmul_is_timed_as_the_gemm_it_is():
+    """mm, addmm and baddbmm with out_dtype= (cuBLAS's float-accumulating GEMMs of the halves,
+    F.linear_cross_entropy's on a CUDA device) carry their out_dtype where flop_counter's formula
+    takes the output's shape: clocked mode counts their FLOPs as the plain GEMM's (it raised)."""
+    script = (
+        "import json, torch\n"
+        "a, b = (torch.randn(4096, 4096, device='cuda', dtype=torch.bfloat16) for _ in range(2))\n"
+        "def ms(f):\n"
+        "    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)\n"
+        "    s.record(); f(); e.record(); e.synchronize(); return s.elapsed_time(e)\n"
+        "print(json.dumps({'mm': ms(lambda: a @ b), 'mm_dtype': ms(lambda: torch.mm(a, b, out_dtype=torch.float32)),\n"
+        "    'addmm_dtype': ms(lambda: torch.addmm(a, a, b, out_dtype=torch.float32)),\n"
+        "    'baddbmm_dtype': ms(lambda: torch.baddbmm(a[None], a[None], b[None], out_dtype=torch.float32))}))\n")
+    run = mirage("run", "--quiet", "--timing", "--predict-only", "--profile", "h100", "--gpus-per-node", "1", "--",
+                 sys.executable, "-c", script)
+    assert run.returncode == 0, run.stderr
+    timed = last_json(run.stdout)
+    flops_ms = 2 * 4096**3 / (model("h100")["peak_tflops.bf16"] * 1e9)  # at peak: the least a GEMM can take
+    assert timed["mm"] > flops_ms
+    for name in ("mm_dtype", "addmm_dtype", "baddbmm_dtype"):
+        assert timed["mm"] <= timed[name] < 1.2 * timed["mm"], (name, timed)

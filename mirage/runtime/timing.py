@@ -58,7 +58,9 @@ def _flop_count(op: str, args: list, results: list) -> float:
     formula = flop_registry[packet]
     positional, keywords = [], {}
     for argument, value in zip(overload_op._schema.arguments, args):
-        if argument.kwarg_only:
+        # (the out_dtype matmuls, mm.dtype and its kin, put it where the packet's formula takes
+        # its output's shape: a keyword there, which the formulas ignore)
+        if argument.kwarg_only or argument.name == "out_dtype":
             keywords[argument.name] = value
         else:
             positional.append(value)

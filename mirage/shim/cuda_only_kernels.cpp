@@ -250,6 +250,106 @@ void fused_rms_norm_backward(torch::jit::Stack* stack) {
   stack->emplace_back(std::move(grad_weight));
 }
 
+// The matmuls with an `out_dtype` (mm.dtype, bmm.dtype, addmm.dtype, baddbmm.dtype and their out=
+// variants; F.linear_cross_entropy's chunks take mm.dtype_out): cuBLAS multiplies float16 or
+// bfloat16 inputs accumulating in float and writes a float result (Blas.cpp: _mm_dtype_out_cuda
+// and its kin, whose checks and words these keep), so the host multiplies the inputs widened to
+// the result's dtype. The stack holds CPU views of the device tensors.
+void check_out_dtype(const Tensor& input, at::ScalarType out_dtype) {
+  TORCH_CHECK(out_dtype == input.scalar_type() ||
+                  (out_dtype == at::kFloat && (input.scalar_type() == at::kHalf || input.scalar_type() == at::kBFloat16)),
+              "out_dtype must be the same as input dtype or fp32 for fp16/bf16 inputs");
+}
+
+void check_out_tensor(const Tensor& out, at::ScalarType out_dtype) {
+  TORCH_CHECK(out_dtype == out.scalar_type(), "out_dtype must be the same as the dtype of the provided out tensor");
+}
+
+// batch1 @ batch2's checks (baddbmm_bmm_out_dtype_checks), `self` for baddbmm.
+void check_batched_out_dtype(const Tensor& batch1, const Tensor& batch2, at::ScalarType out_dtype, const Tensor* self) {
+  TORCH_CHECK(batch1.dim() == 3, "batch1 must be a 3D tensor");
+  TORCH_CHECK(batch2.dim() == 3, "batch2 must be a 3D tensor");
+  const int64_t bs = batch1.size(0), contraction = batch1.size(2);
+  TORCH_CHECK(batch2.size(0) == bs && batch2.size(1) == contraction, "Expected size for first two dimensions of batch2 "
+              "tensor to be: [", bs, ", ", contraction, "] but got: [", batch2.size(0), ", ", batch2.size(1), "].");
+  TORCH_CHECK(batch1.scalar_type() == batch2.scalar_type(), "batch1 and batch2 must have the same dtype");
+  check_out_dtype(batch1, out_dtype);
+  if (self != nullptr) {
+    TORCH_CHECK(self->dim() == 3, "self must be a 3D tensor");
+    TORCH_CHECK(self->sizes() == c10::IntArrayRef({bs, batch1.size(1), batch2.size(2)}),
+                "self must have the same shape as the output");
+  }
+}
+
+void check_matrices(const Tensor& mat1, const Tensor& mat2, const char* first) {
+  TORCH_CHECK(mat1.dim() == 2, first, " must be a matrix, got ", mat1.dim(), "-D tensor");
+  TORCH_CHECK(mat2.dim() == 2, "mat2 must be a matrix, got ", mat2.dim(), "-D tensor");
+  TORCH_CHECK(mat1.size(1) == mat2.size(0), "mat1 and mat2 shapes cannot be multiplied (", mat1.size(0), "x",
+              mat1.size(1), " and ", mat2.size(0), "x", mat2.size(1), ")");
+}
+
+// `result` (computed in out_dtype) into the out= tensor, or as the op's result.
+void push_result(torch::jit::Stack* stack, Tensor result, const std::optional<Tensor>& out) {
+  if (out) {
+    out->resize_(result.sizes()).copy_(result);
+    result = *out;
+  }
+  stack->emplace_back(std::move(result));
+}
+
+template <bool kOut>
+void mm_out_dtype(torch::jit::Stack* stack) {
+  const std::optional<Tensor> out = kOut ? std::optional<Tensor>(torch::jit::pop(*stack).toTensor()) : std::nullopt;
+  const auto out_dtype = torch::jit::pop(*stack).toScalarType();
+  const Tensor mat2 = torch::jit::pop(*stack).toTensor();
+  const Tensor self = torch::jit::pop(*stack).toTensor();
+  check_matrices(self, mat2, "self");
+  if (out) check_out_tensor(*out, out_dtype);
+  TORCH_CHECK(self.scalar_type() == mat2.scalar_type(), "input dtypes must be the same");
+  check_out_dtype(self, out_dtype);
+  push_result(stack, at::mm(self.to(out_dtype), mat2.to(out_dtype)), out);
+}
+
+template <bool kOut>
+void bmm_out_dtype(torch::jit::Stack* stack) {
+  const std::optional<Tensor> out = kOut ? std::optional<Tensor>(torch::jit::pop(*stack).toTensor()) : std::nullopt;
+  const auto out_dtype = torch::jit::pop(*stack).toScalarType();
+  const Tensor batch2 = torch::jit::pop(*stack).toTensor();
+  const Tensor batch1 = torch::jit::pop(*stack).toTensor();
+  check_batched_out_dtype(batch1, batch2, out_dtype, nullptr);
+  push_result(stack, at::bmm(batch1.to(out_dtype), batch2.to(out_dtype)), out);
+}
+
+template <bool kOut>
+void addmm_out_dtype(torch::jit::Stack* stack) {
+  const std::optional<Tensor> out = kOut ? std::optional<Tensor>(torch::jit::pop(*stack).toTensor()) : std::nullopt;
+  const c10::Scalar alpha = torch::jit::pop(*stack).toScalar(), beta = torch::jit::pop(*stack).toScalar();
+  const auto out_dtype = torch::jit::pop(*stack).toScalarType();
+  const Tensor mat2 = torch::jit::pop(*stack).toTensor();
+  const Tensor mat1 = torch::jit::pop(*stack).toTensor();
+  const Tensor self = torch::jit::pop(*stack).toTensor();
+  TORCH_CHECK(self.scalar_type() == mat2.scalar_type(), "self and mat2 must have the same dtype, but got ",
+              self.scalar_type(), " and ", mat2.scalar_type());
+  TORCH_CHECK(mat1.scalar_type() == mat2.scalar_type(), "mat1 and mat2 must have the same dtype, but got ",
+              mat1.scalar_type(), " and ", mat2.scalar_type());
+  check_matrices(mat1, mat2, "mat1");
+  if (out) check_out_tensor(*out, out_dtype);
+  check_out_dtype(self, out_dtype);
+  push_result(stack, at::addmm(self.to(out_dtype), mat1.to(out_dtype), mat2.to(out_dtype), beta, alpha), out);
+}
+
+template <bool kOut>
+void baddbmm_out_dtype(torch::jit::Stack* stack) {
+  const std::optional<Tensor> out = kOut ? std::optional<Tensor>(torch::jit::pop(*stack).toTensor()) : std::nullopt;
+  const c10::Scalar alpha = torch::jit::pop(*stack).toScalar(), beta = torch::jit::pop(*stack).toScalar();
+  const auto out_dtype = torch::jit::pop(*stack).toScalarType();
+  const Tensor batch2 = torch::jit::pop(*stack).toTensor();
+  const Tensor batch1 = torch::jit::pop(*stack).toTensor();
+  const Tensor self = torch::jit::pop(*stack).toTensor();
+  check_batched_out_dtype(batch1, batch2, out_dtype, &self);
+  push_result(stack, at::baddbmm(self.to(out_dtype), batch1.to(out_dtype), batch2.to(out_dtype), beta, alpha), out);
+}
+
 // One GPU kernel that mirage's host side computes as a CPU composite (`host`, or the CPU build's
 // composite where null): the op path times it as the one op it is, and the composite's own ops go
 // unrecorded (a GPU's profiler shows no ops under it).
@@ -288,6 +388,17 @@ TORCH_LIBRARY_IMPL(aten, CUDA, m) {
   m.impl("_thnn_fused_gru_cell_backward",
          TORCH_FN((AsOneKernel<mirage::kGruCellBackward, &mirage::fused_gru_cell_backward>::call)));
   m.impl("record_stream", TORCH_FN(mirage::record_stream));
+  m.impl("mm.dtype", torch::CppFunction::makeFromBoxedFunction<&mirage::one_kernel<&mirage::mm_out_dtype<false>>>());
+  m.impl("mm.dtype_out", torch::CppFunction::makeFromBoxedFunction<&mirage::one_kernel<&mirage::mm_out_dtype<true>>>());
+  m.impl("bmm.dtype", torch::CppFunction::makeFromBoxedFunction<&mirage::one_kernel<&mirage::bmm_out_dtype<false>>>());
+  m.impl("bmm.dtype_out", torch::CppFunction::makeFromBoxedFunction<&mirage::one_kernel<&mirage::bmm_out_dtype<true>>>());
+  m.impl("addmm.dtype", torch::CppFunction::makeFromBoxedFunction<&mirage::one_kernel<&mirage::addmm_out_dtype<false>>>());
+  m.impl("addmm.dtype_out",
+         torch::CppFunction::makeFromBoxedFunction<&mirage::one_kernel<&mirage::addmm_out_dtype<true>>>());
+  m.impl("baddbmm.dtype",
+         torch::CppFunction::makeFromBoxedFunction<&mirage::one_kernel<&mirage::baddbmm_out_dtype<false>>>());
+  m.impl("baddbmm.dtype_out",
+         torch::CppFunction::makeFromBoxedFunction<&mirage::one_kernel<&mirage::baddbmm_out_dtype<true>>>());
   m.impl("batch_norm_stats", TORCH_FN((AsOneKernel<mirage::kBatchNormStats, &mirage::batch_norm_stats>::call)));
   m.impl("batch_norm_gather_stats",
          TORCH_FN((AsOneKernel<mirage::kGatherStats, &mirage::batch_norm_gather_stats>::call)));

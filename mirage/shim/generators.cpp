@@ -202,7 +202,10 @@ static void counter_based(const c10::OperatorHandle& op, c10::DispatchKeySet key
   const std::optional<at::Generator> given =
       generator_arg.isNone() ? std::nullopt : std::optional<at::Generator>(generator_arg.toGenerator());
   PhiloxGenerator& gen = generator_for(given, self.device().index());
-  const auto [seed, offset] = gen.reserve(static_cast<uint64_t>(self.numel()));
+  // a complex tensor draws its real and imaginary parts as a real tensor of twice its elements,
+  // as CUDA's uniform_ and normal_ do (view_as_real; normal_ with std / sqrt(2))
+  const int64_t draws = self.is_complex() ? 2 * self.numel() : self.numel();
+  const auto [seed, offset] = gen.reserve(static_cast<uint64_t>(draws));
   const c10::IValue scalar = args.size() > 2 ? (*stack)[base + 1] : c10::IValue();
   const c10::IValue scalar2 = args.size() > 3 ? (*stack)[base + 2] : c10::IValue();
   {
@@ -210,24 +213,26 @@ static void counter_based(const c10::OperatorHandle& op, c10::DispatchKeySet key
     fallback(op, keys, stack);
   }
   if (predict_only() || self.numel() == 0) return;
-  const bool full = self.scalar_type() == at::kDouble;
+  const at::Tensor host = self.is_complex() ? at::view_as_real(cpu_alias(self)) : cpu_alias(self);
+  const bool full = host.scalar_type() == at::kDouble;
   at::Tensor values;
   if (name == "aten::uniform_") {
     const double from = scalar.toDouble(), to = scalar2.toDouble();
-    values = draw(self.numel(), seed, offset, Distribution::kUniform, full).mul_(to - from).add_(from);
+    values = draw(draws, seed, offset, Distribution::kUniform, full).mul_(to - from).add_(from);
     if (!full) {  // a value that rounds up to `to` in the narrower type becomes `from`, as CUDA's kernel does
-      values = values.to(self.scalar_type());
+      values = values.to(host.scalar_type());
       values.masked_fill_(values.ge(to), from);
     }
   } else if (name == "aten::normal_") {
-    values = draw(self.numel(), seed, offset, Distribution::kNormal, true).mul_(scalar2.toDouble()).add_(scalar.toDouble());
+    const double std = self.is_complex() ? scalar2.toDouble() / std::sqrt(2.0) : scalar2.toDouble();
+    values = draw(draws, seed, offset, Distribution::kNormal, true).mul_(std).add_(scalar.toDouble());
   } else {  // bernoulli_: p a float, or a tensor broadcast to self
     at::Tensor u = draw(self.numel(), seed, offset, Distribution::kUniform, true).view(self.sizes());
     at::Tensor p = overload == "float" ? at::scalar_tensor(scalar.toDouble(), at::kDouble)
                                        : (scalar.toTensor().is_cuda() ? cpu_alias(scalar.toTensor()) : scalar.toTensor());
     values = at::lt(u, p.to(at::kDouble));
   }
-  cpu_alias(self).copy_(values.view(self.sizes()));
+  host.copy_(values.view(host.sizes()));
 }
 
 }  // namespace mirage

@@ -129,9 +129,9 @@ def test_grouped_query_attention_takes_the_fused_kernels_a_gpu_build_gives_it():
 
 
 def test_a_cuda_only_operator_that_is_not_emulated_says_so():
-    a = torch.randn(4, 4, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match=r"mirage: aten::mm\.dtype has a CUDA kernel in a CUDA build"):
-        torch.ops.aten.mm.dtype(a, a, torch.float32)
+    a = torch.randn(4, 4, device="cuda")
+    with pytest.raises(NotImplementedError, match=r"mirage: aten::_fused_dropout has a CUDA kernel in a CUDA build"):
+        torch.ops.aten._fused_dropout(a, 0.5)
 
 
 def test_a_quantized_device_tensor_is_refused_rather_than_made_a_plain_one():
@@ -218,3 +218,51 @@ def test_rms_norm_runs_the_fused_kernel_a_cuda_build_runs(dtype, affine):
     torch.testing.assert_close(xd.grad.cpu(), xc.grad, **tolerance)
     if affine:
         torch.testing.assert_close(wd.grad.cpu(), wc.grad, **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_out_dtype_matmuls_accumulate_the_halves_in_float(dtype):
+    """mm/bmm/addmm/baddbmm with out_dtype=float32 (cuBLAS: float16 or bfloat16 inputs, float
+    accumulation, a float result), functional and out=, with their CUDA checks."""
+    torch.manual_seed(0)
+    a, b = torch.randn(8, 16, dtype=dtype), torch.randn(16, 4, dtype=dtype)
+    c = torch.randn(8, 4, dtype=dtype)
+    a3, b3, c3 = torch.randn(2, 8, 16, dtype=dtype), torch.randn(2, 16, 4, dtype=dtype), torch.randn(2, 8, 4, dtype=dtype)
+    cases = {
+        "mm": (lambda *t, **k: torch.mm(*t, **k), (a, b), a.float() @ b.float()),
+        "bmm": (lambda *t, **k: torch.bmm(*t, **k), (a3, b3), a3.float() @ b3.float()),
+        "addmm": (lambda *t, **k: torch.addmm(*t, beta=0.5, alpha=2, **k), (c, a, b), 0.5 * c.float() + 2 * (a.float() @ b.float())),
+        "baddbmm": (lambda *t, **k: torch.baddbmm(*t, beta=0.5, alpha=2, **k), (c3, a3, b3),
+                    0.5 * c3.float() + 2 * (a3.float() @ b3.float())),
+    }
+    for name, (fn, args, expected) in cases.items():
+        got = fn(*[t.cuda() for t in args], out_dtype=torch.float32)
+        assert got.dtype == torch.float32 and got.is_cuda, name
+        torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-5, msg=name)
+        out = torch.empty(0, device="cuda", dtype=torch.float32)
+        assert fn(*[t.cuda() for t in args], out_dtype=torch.float32, out=out) is out
+        torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5, msg=name)
+    with pytest.raises(RuntimeError, match="out_dtype must be the same as input dtype or fp32 for fp16/bf16 inputs"):
+        torch.mm(a.float().cuda(), b.float().cuda(), out_dtype=dtype)
+    with pytest.raises(RuntimeError, match="out_dtype must be the same as the dtype of the provided out tensor"):
+        torch.mm(a.cuda(), b.cuda(), out_dtype=torch.float32, out=torch.empty(0, device="cuda", dtype=dtype))
+    with pytest.raises(RuntimeError, match=r"mat1 and mat2 shapes cannot be multiplied \(8x16 and 4x16\)"):
+        torch.mm(a.cuda(), b.T.contiguous().cuda(), out_dtype=torch.float32)
+
+
+def test_linear_cross_entropy_trains_in_bfloat16_as_on_a_gpu():
+    """torch 2.13's F.linear_cross_entropy takes cuBLAS's out_dtype matmul on a CUDA device for
+    bfloat16 inputs (its chunks' logits in float): forward and gradients as the float reference."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 32, dtype=torch.bfloat16)
+    w = torch.randn(1000, 32, dtype=torch.bfloat16) * 0.1
+    target = torch.randint(0, 1000, (64,))
+    xd, wd = x.cuda().requires_grad_(), w.cuda().requires_grad_()
+    loss = torch.nn.functional.linear_cross_entropy(xd, wd, target.cuda())
+    loss.backward()
+    xr, wr = x.float().requires_grad_(), w.float().requires_grad_()
+    expected = torch.nn.functional.cross_entropy(xr @ wr.T, target)
+    expected.backward()
+    torch.testing.assert_close(loss.float().cpu(), expected, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(xd.grad.float().cpu(), xr.grad, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(wd.grad.float().cpu(), wr.grad, rtol=2e-2, atol=2e-3)

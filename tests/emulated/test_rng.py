@@ -99,3 +99,17 @@ def test_graphsafe_state_is_shared():
     other = torch.Generator(device="cuda").manual_seed(12)
     g.graphsafe_set_state(other)
     assert g.initial_seed() == 12
+
+
+def test_a_complex_tensor_draws_its_parts_as_a_real_tensor_of_twice_its_elements():
+    """CUDA's uniform_ and normal_ fill a complex tensor through view_as_real (normal_ with
+    std / sqrt(2) per part, so each complex value has the std asked for): the same counters as a
+    real tensor of twice the elements."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    z = torch.empty(50_000, device="cuda", dtype=torch.complex64).uniform_(-1, 2, generator=g)
+    g.manual_seed(7)
+    real = torch.empty(100_000, device="cuda").uniform_(-1, 2, generator=g)
+    assert torch.equal(torch.view_as_real(z).flatten(), real) and g.get_offset() == 100_000
+    n = torch.empty(200_000, device="cuda", dtype=torch.complex128).normal_(1.0, 2.0)
+    parts = torch.view_as_real(n)
+    assert abs(parts.mean().item() - 1) < 0.02 and abs(parts.std().item() - 2 / 2**0.5) < 0.02
