@@ -11,13 +11,13 @@ from types import ModuleType, SimpleNamespace
 
 # cuDNN 9.10.2 is what torch's CUDA 12.8 wheels pin (nvidia-cudnn-cu12); ROCm 7.0 ships MIOpen
 # 3.5.0. getVersionInt's encodings: cuDNN major*10000 + minor*100 + patch, MIOpen the same.
-_CUDNN_VERSION = (9, 10, 2)
-_MIOPEN_VERSION = (3, 5, 0)
+CUDNN_VERSION = (9, 10, 2)
+MIOPEN_VERSION = (3, 5, 0)
 
 
 def install(torch: ModuleType, amd: bool) -> None:
     """Gives torch._C a _cudnn module and points torch.backends.cudnn at it."""
-    major, minor, patch = _MIOPEN_VERSION if amd else _CUDNN_VERSION
+    major, minor, patch = MIOPEN_VERSION if amd else CUDNN_VERSION
     version_int = major * 10000 + minor * 100 + patch
     binding = SimpleNamespace(
         getVersionInt=lambda: version_int,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from types import FunctionType, ModuleType
 
 from mirage import profiles
-from mirage.runtime import (autograd_threads, cuda_comm, cuda_graphs, cuda_ipc, cuda_memory, cuda_runtime, cudnn,
+from mirage.runtime import (autograd_threads, build_config, cuda_comm, cuda_graphs, cuda_ipc, cuda_memory, cuda_runtime, cudnn,
                             device_queries, distributed, gpu_profiler, import_hooks, inductor, legacy_tensor_types,
                             nvtx, races, timing, triton_driver, visible_devices)
 from mirage.runtime.unprofiled import unprofiled
@@ -306,6 +306,7 @@ def _install(torch: ModuleType, _disable_current_modes: Callable) -> None:
     cuda_runtime.install(torch, profile)
     cuda_memory.install(torch)
     cudnn.install(torch, profile.is_amd)
+    build_config.install(torch, profile, _CUDA_VERSION, _HIP_VERSION)
     cuda_graphs.install(torch)
     cuda_ipc.install(torch)
     legacy_tensor_types.install(torch)

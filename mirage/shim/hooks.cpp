@@ -6,10 +6,20 @@
 #include "generators.h"
 #include "pinned_memory.h"
 
+#include "unobserved_ops.h"
+
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/csrc/distributed/c10d/reducer_timer.hpp>
 
 namespace mirage {
+
+// torch.__config__.show()'s lines about the GPU build (mirage/runtime/build_config.py sets them:
+// the toolkit, cuDNN or MIOpen versions of the profile's build).
+static std::string g_build_config;
+
+MIRAGE_LIBRARY(m) {
+  m.def("set_cuda_build_config(str lines) -> ()", [](std::string lines) { g_build_config = std::move(lines); });
+}
 
 struct MirageHooks final : at::CUDAHooksInterface {
   explicit MirageHooks(at::CUDAHooksArgs) {}
@@ -17,6 +27,7 @@ struct MirageHooks final : at::CUDAHooksInterface {
   bool isAvailable() const override { return config().num_devices > 0; }
   bool hasCUDA() const override { return config().num_devices > 0; }
   bool hasPrimaryContext(DeviceIndex) const override { return true; }
+  std::string showConfig() const override { return g_build_config; }
   void init() const override {}
   DeviceIndex deviceCount() const override { return config().num_devices; }
   int getNumGPUs() const override { return config().num_devices; }

@@ -144,6 +144,22 @@ def test_torch_says_it_was_built_with_gpu_support_as_a_rocm_or_cuda_build_does()
     assert torch.backends.cuda.is_built()  # inductor's cudagraph trees, among others, ask
 
 
+def test_the_build_listing_is_a_gpu_builds():
+    """torch.__config__.show() (torch.utils.collect_env, bug reports, PyTorch's own Magma probe)
+    raised under mirage: ATen asks the CUDA hooks for their lines whenever a GPU is present."""
+    listing = torch.__config__.show()
+    settings = listing.rsplit("  - Build settings: ", 1)[1]
+    if torch.version.hip:
+        assert f"  - HIP Runtime {torch.version.hip.split('-')[0]}\n  - MIOpen 3.5.0\n" in listing
+        assert "USE_ROCM=ON" in settings
+    else:
+        assert "  - CUDA Runtime 12.8\n" in listing and "  - CuDNN 91.0.2  (built against CUDA 12.9)\n" in listing
+        arch = torch.cuda.get_arch_list()[0].removeprefix("sm_")
+        assert f"  - NVCC architecture flags: -gencode;arch=compute_{arch},code=sm_{arch}\n" in listing
+        assert "CUDA_VERSION=12.8, CUDNN_VERSION=9.10.2" in settings and "USE_CUDA=ON" in settings
+    assert "USE_NCCL=1" in settings and "Magma" not in listing  # torch.cuda.has_magma is False
+
+
 def test_a_cuda_graph_replays_its_captured_work_on_new_input_values():
     static_in = torch.ones(4, device="cuda")
     weight = torch.full((4,), 2.0, device="cuda")
