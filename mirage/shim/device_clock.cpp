@@ -5,6 +5,7 @@
 
 #include "device_guard.h"
 #include "device_memory.h"
+#include "faults.h"
 #include "op_cost.h"
 #include "profiler_activities.h"
 #include "unobserved_ops.h"
@@ -284,8 +285,10 @@ MIRAGE_LIBRARY(m) {
   m.def("clock_host_advance(int ns) -> ()", [](int64_t ns) {
     if (mirage::timing()) mirage::host_waits_for(mirage::host_time() + ns);
   });
-  // torch.cuda.synchronize: the host waits for the current device.
+  // torch.cuda.synchronize: the host waits for the current device (and hears of its failure:
+  // a lost GPU, a device-side assert).
   m.def("clock_synchronize() -> ()", []() {
+    mirage::check_device_not_lost();
     if (auto* trace = mirage::gpu_trace()) (*trace)->trace_gpu_device_synchronization(c10::DeviceType::CUDA);
     if (mirage::timing()) mirage::host_waits_for(mirage::device_time(mirage::tl_device));
   });

@@ -23,6 +23,10 @@ std::atomic<bool> g_fault_ops{false}, g_fault_allocs{false};
 namespace {
 
 std::atomic<bool> g_device_lost{false};
+// What the runtime returns once the device's context is unusable: cudaErrorUnknown (999) for a
+// lost GPU, cudaErrorAssert (710) after a device-side assert (written before g_device_lost is set).
+int g_device_error_code = 999;
+const char* g_device_error = "unknown error";
 
 // One fault as the launcher encodes it: "id,kind,trigger,count,stall_ms" (kind: kill, stall,
 // oom, lose-gpu, kill-node; trigger: op, alloc, collective), already filtered to ranks that exist
@@ -182,13 +186,28 @@ void lose_device() {
 
 void faults_loaded() { (void)faults(); }
 
+[[noreturn]] static void raise_device_error() {
+  const char* api = config().amd ? "HIP" : "CUDA";
+  throw c10::AcceleratorError(c10::SourceLocation{__func__, __FILE__, __LINE__}, g_device_error_code,
+                              std::string(api) + " error: " + g_device_error + "\n" + cuda_error_suffix());
+}
+
 void check_device_not_lost() {
-  if (C10_LIKELY(!g_device_lost.load(std::memory_order_relaxed))) return;
-  // cudaErrorUnknown (999), what the runtime returns once the device is gone, in torch's wording.
-  const bool amd = config().amd;
-  const char* api = amd ? "HIP" : "CUDA";
-  throw c10::AcceleratorError(c10::SourceLocation{__func__, __FILE__, __LINE__}, 999,
-                              std::string(api) + " error: unknown error\n" + cuda_error_suffix());
+  if (C10_UNLIKELY(g_device_lost.load(std::memory_order_relaxed))) raise_device_error();
+}
+
+void device_side_assert(const std::string& what) {
+  std::fprintf(stderr, "%s\n", what.c_str());
+  std::fflush(stderr);
+  if (!g_device_lost.load()) {
+    g_device_error_code = 710;
+    g_device_error = "device-side assert triggered";
+    observe(faults(), "error", "torch.AcceleratorError: device-side assert triggered");
+    g_device_lost = true;
+    g_fault_ops = true;
+    g_fault_allocs = true;
+  }
+  raise_device_error();
 }
 
 void fault_at_op() {

@@ -13,6 +13,7 @@
 #include <c10/core/Device.h>
 #include <atomic>
 #include <cstddef>
+#include <string>
 
 namespace mirage {
 
@@ -23,8 +24,14 @@ extern std::atomic<bool> g_fault_ops, g_fault_allocs;
 void faults_loaded();
 // The op path's count: kills the process at the fault's op (or loses its GPU); on a lost GPU, raises.
 void fault_at_op();
-// Raises torch.AcceleratorError ("CUDA error: unknown error") once this process's GPU is lost.
+// Raises torch.AcceleratorError ("CUDA error: unknown error") once this process's GPU is lost,
+// ("CUDA error: device-side assert triggered") once a kernel's device-side assert fired.
 void check_device_not_lost();
+// A kernel's device-side assert (an index out of bounds that a CUDA kernel checks on the device):
+// prints `what` on stderr as the kernel's assertion is printed, and from then on, as on a GPU,
+// every device op, allocation, synchronisation and collective of the process raises
+// "CUDA error: device-side assert triggered" (this call first).
+[[noreturn]] void device_side_assert(const std::string& what);
 // The allocator's count: raises the caching allocator's out-of-memory error at the fault's
 // allocation (as a real OOM on that one rank), through `raise_oom(dev, bytes)`.
 void fault_at_alloc(c10::DeviceIndex dev, size_t nbytes, void (*raise_oom)(c10::DeviceIndex, int64_t));

@@ -86,7 +86,25 @@ struct OpTraits {
   int32_t beta = -1;  // a BLAS op's `beta` argument (addmm, baddbmm, ...): with 0, cuBLAS does not read `self`
   uint64_t written = 0;  // bit i: argument i is written (Tensor(a!)), for --check-races
   const CudaDtypes* cuda_dtypes = nullptr;  // a CUDA kernel whose dtypes differ from the CPU kernel's (cuda_dtypes.h)
+  bool bounds_checked_on_device = false;    // its CUDA kernel asserts its indices on the device
 };
+
+// The operators whose CUDA kernels check their indices (targets) with a device-side assert
+// (CUDA_KERNEL_ASSERT in IndexKernel.cu, ScatterGatherKernel.cu, Indexing.cu, Loss.cu,
+// NLLLoss2d.cu) where the CPU kernel raises an IndexError: on a GPU an index out of bounds in
+// x[idx], gather/scatter, index_select (nn.Embedding) or a loss's target (F.cross_entropy with a
+// label >= the class count) is "CUDA error: device-side assert triggered", after which the
+// process's CUDA context is unusable. (x[5] with a Python int is a host check on both.)
+static const std::unordered_set<std::string> kBoundsCheckedOnDevice{
+    "aten::index", "aten::index_put_", "aten::_index_put_impl_", "aten::gather", "aten::scatter",
+    "aten::scatter_", "aten::scatter_add", "aten::scatter_add_", "aten::scatter_reduce", "aten::scatter_reduce_",
+    "aten::index_select", "aten::index_add", "aten::index_add_", "aten::nll_loss_forward", "aten::nll_loss2d_forward"};
+
+// Whether a CPU kernel's error is the bound check a CUDA kernel makes on the device.
+static bool out_of_bounds(const c10::Error& error) {
+  const std::string_view message = error.msg();
+  return message.find("out of bounds") != std::string_view::npos || message.find("out of range") != std::string_view::npos;
+}
 
 static const OpTraits& traits_of(const c10::FunctionSchema& schema) {
   static thread_local std::unordered_map<const c10::FunctionSchema*, OpTraits> known;
@@ -115,6 +133,7 @@ static const OpTraits& traits_of(const c10::FunctionSchema& schema) {
         "aten::_unique2", "aten::unique_consecutive", "aten::equal", "aten::is_nonzero"};
     traits.synchronizes = synchronizing.count(schema.name()) != 0;
     traits.cuda_dtypes = cuda_dtypes_of(schema);
+    traits.bounds_checked_on_device = kBoundsCheckedOnDevice.count(schema.name()) != 0;
     if (timing()) {
       traits.has_flops = has_flop_formula(schema);
       traits.has_implementation_traffic = has_implementation_traffic(schema);
@@ -458,6 +477,10 @@ struct OpCall {
     } catch (const c10::NotImplementedError&) {
       if (op.hasKernelForDispatchKey(host_key)) throw;
       not_emulated(op);
+    } catch (const c10::Error& error) {
+      if (!traits.bounds_checked_on_device || !out_of_bounds(error)) throw;
+      device_side_assert(std::string("mirage: device-side assert in ") + op.schema().name() + " (a CUDA kernel checks "
+                         "its indices on the device; the host kernel said: " + error.msg() + ")");
     }
   }
 
