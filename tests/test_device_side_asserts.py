@@ -14,10 +14,11 @@ SCRIPT = """
 import sys, torch, torch.nn.functional as F
 case = sys.argv[1]
 x = torch.arange(6.0, device="cuda")
-try:
-    x[5 + 1]
-except IndexError as e:
-    print("host check:", e)
+for host_check in (lambda: x[5 + 1], lambda: x.gather(1, torch.tensor([0], device="cuda"))):
+    try:
+        host_check()
+    except IndexError as e:
+        print("host check:", e)
 bad = {"cross_entropy": lambda: F.cross_entropy(torch.randn(4, 10, device="cuda"), torch.tensor([1, 2, 10, 3], device="cuda")),
        "index": lambda: x[torch.tensor([7], device="cuda")],
        "gather": lambda: x.gather(0, torch.tensor([9], device="cuda")),
@@ -40,10 +41,11 @@ def test_an_index_a_cuda_kernel_checks_is_a_sticky_device_side_assert(case, host
     result = mirage("run", "--profile", "h100", "--gpus-per-node", "1", "--", "python", "-c", SCRIPT, case)
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
-    assert lines[0] == "host check: index 6 is out of bounds for dimension 0 with size 6"
-    assert lines[1:4] == [f"{attempt} raised: CUDA error: device-side assert triggered"
+    assert lines[:2] == ["host check: index 6 is out of bounds for dimension 0 with size 6",
+                         "host check: Dimension out of range (expected to be in range of [-1, 0], but got 1)"]
+    assert lines[2:5] == [f"{attempt} raised: CUDA error: device-side assert triggered"
                           for attempt in ("the op", "a later op", "synchronize")]
-    assert lines[4] == "cpu 2.0"  # the host is unaffected
+    assert lines[5] == "cpu 2.0"  # the host is unaffected
     assert "mirage: device-side assert in aten::" in result.stderr and host_words in result.stderr
 
 

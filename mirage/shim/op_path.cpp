@@ -100,10 +100,13 @@ static const std::unordered_set<std::string> kBoundsCheckedOnDevice{
     "aten::scatter_", "aten::scatter_add", "aten::scatter_add_", "aten::scatter_reduce", "aten::scatter_reduce_",
     "aten::index_select", "aten::index_add", "aten::index_add_", "aten::nll_loss_forward", "aten::nll_loss2d_forward"};
 
-// Whether a CPU kernel's error is the bound check a CUDA kernel makes on the device.
+// Whether a CPU kernel's error is the bound check a CUDA kernel makes on the device ("index 7 is
+// out of bounds for dimension 0", "Target 10 is out of bounds.", "index out of range in self"),
+// not a host check both make ("Dimension out of range").
 static bool out_of_bounds(const c10::Error& error) {
   const std::string_view message = error.msg();
-  return message.find("out of bounds") != std::string_view::npos || message.find("out of range") != std::string_view::npos;
+  return message.find("out of bounds") != std::string_view::npos ||
+         message.find("index out of range") != std::string_view::npos;
 }
 
 static const OpTraits& traits_of(const c10::FunctionSchema& schema) {
