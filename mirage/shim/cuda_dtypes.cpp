@@ -1,11 +1,8 @@
 // The dtypes a CUDA build's kernels take, where they differ from a CPU build's (cuda_dtypes.h).
 #include "cuda_dtypes.h"
 
-#include "unobserved_ops.h"
-
 #include <ATen/ATen.h>
 #include <c10/util/SmallVector.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <array>
@@ -338,14 +335,6 @@ void run_widened(const CudaDtypes& entry, const c10::OperatorHandle& op, c10::Di
       iv = result.to(*narrow);
     }
   }
-}
-
-MIRAGE_LIBRARY(m) {  // (what tests/emulated/test_cuda_dtypes.py reads)
-  m.def("cuda_dtype_entries() -> str[]", []() {
-    std::vector<std::string> names;
-    for (const CudaDtypes& entry : kCudaDtypes) names.emplace_back(entry.op);
-    return names;
-  });
 }
 
 }  // namespace mirage
