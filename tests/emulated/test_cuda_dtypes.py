@@ -4,11 +4,11 @@ op_db gives each operator the dtypes its CPU kernels take and those its CUDA ker
 (dtypesIfCUDA, read on the emulated device, where its capability checks see the profile's GPU).
 Where they differ, a CPU build's kernel would run what a GPU refuses (an integer matmul) or
 refuse, in CPU words, what a GPU runs (a float16 FFT, a bfloat16 3-D average pool, complex32
-arithmetic). PyTorch's own check of those lists, test_ops.py's test_dtypes, counts a dtype as
-supported when a sample runs and as unsupported when every sample raises; these tests hold the
-device to the same rule for every operator whose two lists differ, compare what it computes with
-a float64 reference and the result's dtype with the Meta kernel's, and check the CUDA kernels'
-own messages (mirage/shim/cuda_dtypes.cpp).
+arithmetic). PyTorch's own check of those lists, test_ops.py's test_dtypes, runs each dtype's
+samples and holds the lists to which of them raise; these tests hold the device to op_db's CUDA
+lists: every dtype they give runs (its values within a rounding of a float64 reference and its
+result's dtype the Meta kernel's where the CPU's lists differ), every dtype a CPU build takes and
+they do not raises in words that name no CPU kernel (mirage/shim/cuda_dtypes.cpp).
 """
 
 import itertools
