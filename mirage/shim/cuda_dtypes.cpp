@@ -57,6 +57,9 @@ struct CudaDtypes {
   const char* early_message = nullptr;
   // The `reduce` argument's value for which the CUDA kernel takes every dtype (scatter_reduce's sum).
   std::string_view unless_reduce = {};
+  // Its `min` and `max` are taken in an integer input's type (histc: min.to<scalar_t>()), so a
+  // widened call gets them truncated.
+  bool integer_bounds = false;
 };
 
 // From the CUDA kernels' AT_DISPATCH macros (torch 2.13: aten/src/ATen/native/cuda/) where op_db's
@@ -140,7 +143,7 @@ static const std::array kCudaDtypes = {
     // histc counts every integer and floating type but the halves (SummaryOps.cu: float16 is
     // refused before the dispatch); the CPU's histogram floating types only.
     CudaDtypes{"histc", "histc", kIntegral | kFloating, kIntegral, Emulation::kWidened, false, kHalf,
-               "HalfTensor is not supported"},
+               "HalfTensor is not supported", {}, true},
     // The dropout mask's scaling: floating types and the halves (Dropout.cu).
     CudaDtypes{"native_dropout_backward", "masked_scale", kFloatingAndHalves, 0},
     // scatter_reduce's other reductions take no bool (ScatterGatherKernel.cu); its sum does.
@@ -314,9 +317,11 @@ void run_widened(const CudaDtypes& entry, const c10::OperatorHandle& op, c10::Di
     if (alias != nullptr && alias->isWrite()) written.push_back({t, widened});
     iv = std::move(widened);
   }
-  if (schema.name() == "aten::histc" && c10::isIntegralType(first, false)) {
-    // CUDA's histc takes min and max in the input's type (min.to<scalar_t>()): truncated
-    for (size_t i = 2; i < 4; ++i) (*stack)[base + i] = c10::Scalar((*stack)[base + i].toScalar().to<int64_t>());
+  if (entry.integer_bounds && c10::isIntegralType(first, false)) {
+    for (const char* bound : {"min", "max"}) {
+      c10::IValue& iv = (*stack)[base + *schema.argumentIndexWithName(bound)];
+      iv = c10::Scalar(iv.toScalar().to<int64_t>());
+    }
   }
   kernel->redispatchBoxed(c10::DispatchKeySet(key), stack);
   for (Written& w : written) {

@@ -297,9 +297,16 @@ void push_result(torch::jit::Stack* stack, Tensor result, const std::optional<Te
   stack->emplace_back(std::move(result));
 }
 
+// The out= variant's `out` (the stack's last argument), or none for the functional one.
+template <bool kOut>
+std::optional<Tensor> pop_out(torch::jit::Stack* stack) {
+  if constexpr (kOut) return torch::jit::pop(*stack).toTensor();
+  return std::nullopt;
+}
+
 template <bool kOut>
 void mm_out_dtype(torch::jit::Stack* stack) {
-  const std::optional<Tensor> out = kOut ? std::optional<Tensor>(torch::jit::pop(*stack).toTensor()) : std::nullopt;
+  const std::optional<Tensor> out = pop_out<kOut>(stack);
   const auto out_dtype = torch::jit::pop(*stack).toScalarType();
   const Tensor mat2 = torch::jit::pop(*stack).toTensor();
   const Tensor self = torch::jit::pop(*stack).toTensor();
@@ -312,7 +319,7 @@ void mm_out_dtype(torch::jit::Stack* stack) {
 
 template <bool kOut>
 void bmm_out_dtype(torch::jit::Stack* stack) {
-  const std::optional<Tensor> out = kOut ? std::optional<Tensor>(torch::jit::pop(*stack).toTensor()) : std::nullopt;
+  const std::optional<Tensor> out = pop_out<kOut>(stack);
   const auto out_dtype = torch::jit::pop(*stack).toScalarType();
   const Tensor batch2 = torch::jit::pop(*stack).toTensor();
   const Tensor batch1 = torch::jit::pop(*stack).toTensor();
@@ -322,7 +329,7 @@ void bmm_out_dtype(torch::jit::Stack* stack) {
 
 template <bool kOut>
 void addmm_out_dtype(torch::jit::Stack* stack) {
-  const std::optional<Tensor> out = kOut ? std::optional<Tensor>(torch::jit::pop(*stack).toTensor()) : std::nullopt;
+  const std::optional<Tensor> out = pop_out<kOut>(stack);
   const c10::Scalar alpha = torch::jit::pop(*stack).toScalar(), beta = torch::jit::pop(*stack).toScalar();
   const auto out_dtype = torch::jit::pop(*stack).toScalarType();
   const Tensor mat2 = torch::jit::pop(*stack).toTensor();
@@ -340,7 +347,7 @@ void addmm_out_dtype(torch::jit::Stack* stack) {
 
 template <bool kOut>
 void baddbmm_out_dtype(torch::jit::Stack* stack) {
-  const std::optional<Tensor> out = kOut ? std::optional<Tensor>(torch::jit::pop(*stack).toTensor()) : std::nullopt;
+  const std::optional<Tensor> out = pop_out<kOut>(stack);
   const c10::Scalar alpha = torch::jit::pop(*stack).toScalar(), beta = torch::jit::pop(*stack).toScalar();
   const auto out_dtype = torch::jit::pop(*stack).toScalarType();
   const Tensor batch2 = torch::jit::pop(*stack).toTensor();

@@ -273,3 +273,11 @@ def test_every_dtype_op_db_gives_cuda_runs_on_the_device(samples):
                     failing.append(f"{_name(op)} {dtype}: {type(error).__name__}: {str(error)[:200]}")
                     break
     assert not failing, "\n".join(failing)
+
+
+def test_an_integer_histc_takes_its_range_in_the_inputs_type():
+    """CUDA's histc converts min and max to the input's type (min.to<scalar_t>()): an int64
+    histogram over [0.5, 4.5] counts over [0, 4]; the CPU build has no integer histc at all."""
+    counts = torch.histc(torch.tensor([0, 1, 2, 3, 4], device="cuda"), bins=4, min=0.5, max=4.5)
+    assert counts.dtype == torch.int64
+    assert counts.tolist() == [1, 1, 1, 2]
