@@ -46,6 +46,9 @@ def test_user_profile_file_is_validated_naming_the_field(tmp_path):
     path.write_text(good.replace('vendor = "nvidia"', 'vendor = "intel"'))
     with pytest.raises(profiles.ProfileError, match="field 'vendor'"):
         profiles.load(str(path))
+    path.write_text(good.replace("gpu_links = 18", "gpu_links = -1"))
+    with pytest.raises(profiles.ProfileError, match="field 'gpu_links' is -1"):
+        profiles.load(str(path))
     path.write_text("surprise = 1\n" + good)
     with pytest.raises(profiles.ProfileError, match="unknown field 'surprise'"):
         profiles.load(str(path))

@@ -5,7 +5,8 @@ that user-written Triton kernels run through Triton's interpreter, on the device
 where a GPU build would compile them for the GPU), the caller's environment (or an almost empty one
 with --clear-env-vars), the emulator's own variables, the user's --env, then the job identity. Identity and the
 emulator's MIRAGE_* variables cannot be overridden by --env (a warning names each one), and
-search lists are prepended to the caller's instead of replacing them.
+search lists are prepended to the caller's instead of replacing them. The profile vendor's smi
+tools (mirage/runtime/smi_commands.py) come first on PATH, as the driver's are on a GPU box.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import sys
 from pathlib import Path
 
 import mirage
+from mirage import profiles
 
 RUNTIME_SITE_DIR = Path(mirage.__file__).parent / "runtime" / "site"
+SMI_BIN_DIR = Path(mirage.__file__).parent / "runtime" / "smi_bin"  # <vendor>/nvidia-smi, rocm-smi
 KEPT_WHEN_CLEARED = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "TERM", "TMPDIR", "SHELL")
 SEARCH_LISTS = ("PYTHONPATH", "LD_LIBRARY_PATH", "LD_PRELOAD")
 DEFAULTS = {"TRITON_INTERPRET": "1"}
@@ -67,4 +70,6 @@ def build(
     _prepend(env, "PYTHONPATH", str(RUNTIME_SITE_DIR))
     # `python` in the command means the interpreter whose torch mirage checked and built for.
     _prepend(env, "PATH", str(Path(sys.executable).parent))
+    if "MIRAGE_PROFILE" in emulator:
+        _prepend(env, "PATH", str(SMI_BIN_DIR / profiles.load(emulator["MIRAGE_PROFILE"]).vendor))
     return env

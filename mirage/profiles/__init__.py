@@ -54,6 +54,11 @@ class Profile:
     # What the runtime reports as l2CacheSize (torch's L2_cache_size): HIP reports one XCD's or
     # GCD's L2. 0 where a user's profile leaves it out: 50 MiB (NVIDIA), 4 MiB (AMD) (_check).
     l2_cache_bytes: int = 0
+    # What the vendor's smi tools print of the board (runtime/smi_commands.py): the links each GPU
+    # has to every other GPU of its node (NVIDIA: NVLinks, `nvidia-smi topo -m`'s NV<n>) and the
+    # PCI device ID (rocm-smi's DID). 0 where a user's profile leaves them out: PCIe, unknown.
+    gpu_links: int = 0
+    pci_product_id: int = 0
     peak_tflops: dict[str, float] = field(default_factory=dict)
     # Clocked mode's model: [timing] key -> {value, kind, source}, and [timing.inputs]: where the
     # profile's own figures the model reads come from (see TIMING_KEYS, timing_model).
@@ -63,6 +68,13 @@ class Profile:
     @property
     def is_amd(self) -> bool:
         return self.vendor == "amd"
+
+    @property
+    def memory_clock_khz(self) -> int:
+        """The memory clock a DDR interface of this width needs for the bandwidth (bandwidth = 2 x
+        clock x width / 8, which triton.testing.get_dram_gbps inverts); 0 where the width is unknown."""
+        width = self.memory_bus_width_bits
+        return int(self.memory_bandwidth_gbs * 1e6 * 8 / (2 * width)) if width else 0
 
     def power_watts(self, busy_fraction: float) -> float:
         """Modelled board power at a utilization (0..1): 15% of the board power idle, rising
@@ -99,10 +111,13 @@ _FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "shared_memory_per_block": ((int,), "a positive integer (bytes of shared memory a kernel's block may use)"),
     "warp_size": ((int,), "a positive integer (threads a warp or wavefront runs together)"),
     "l2_cache_bytes": ((int,), "a positive integer (the L2 cache the runtime reports, bytes)"),
+    "gpu_links": ((int,), "an integer >= 0 (links from each GPU to each other GPU of the node, e.g. 18 NVLinks)"),
+    "pci_product_id": ((int,), "an integer >= 0 (the PCI device ID, e.g. 0x74a1)"),
     "peak_tflops": ((dict,), "a table of dtype = TFLOP/s"),
     "timing": ((dict,), "a table of clocked mode's numbers (see mirage/profiles/data/h100.toml)"),
 }
-_OPTIONAL = {"timing", "memory_bus_width_bits", "shared_memory_per_block", "warp_size", "l2_cache_bytes"}
+_OPTIONAL = {"timing", "memory_bus_width_bits", "shared_memory_per_block", "warp_size", "l2_cache_bytes",
+             "gpu_links", "pci_product_id"}
 
 # Clocked mode's own numbers, each a [timing] entry {value, kind, source}.
 TIMING_KEYS: dict[str, str] = {
@@ -168,8 +183,9 @@ def _check(path: Path, data: dict) -> Profile:
             raise bad(name)
     if data["clock_ghz"] < 0:
         raise bad("clock_ghz")
-    if data["context_bytes"] < 0:
-        raise bad("context_bytes")
+    for name in ("context_bytes", "gpu_links", "pci_product_id"):
+        if data.get(name, 0) < 0:
+            raise bad(name)
     for name in ("memory_bus_width_bits", "shared_memory_per_block", "warp_size", "l2_cache_bytes"):
         if data.get(name, 1) <= 0:
             raise bad(name)

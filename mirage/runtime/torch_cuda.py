@@ -15,7 +15,7 @@ from types import FunctionType, ModuleType
 
 from mirage import profiles
 from mirage.runtime import (autograd_threads, build_config, cuda_comm, cuda_graphs, cuda_ipc, cuda_memory, cuda_runtime, cudnn,
-                            device_queries, distributed, gpu_profiler, import_hooks, inductor, legacy_tensor_types,
+                            device_queries, distributed, gpu_profiler, green_contexts, import_hooks, inductor, legacy_tensor_types,
                             nvtx, races, timing, triton_driver, visible_devices)
 from mirage.runtime.unprofiled import unprofiled
 
@@ -308,6 +308,8 @@ def _install(torch: ModuleType, _disable_current_modes: Callable) -> None:
     cudnn.install(torch, profile.is_amd)
     build_config.install(torch, profile, _CUDA_VERSION, _HIP_VERSION)
     cuda_graphs.install(torch)
+    if not profile.is_amd:
+        green_contexts.install(torch, profile.compute_units)
     cuda_ipc.install(torch)
     legacy_tensor_types.install(torch)
     distributed.install(torch)

@@ -38,17 +38,14 @@ class EmulatedDeviceUtils:
     def get_device_properties(self, device: int) -> dict[str, Any]:
         """The dict Triton's driver reads from the vendor's runtime (cudaDeviceProp/hipDeviceProp)."""
         props = self._torch.cuda.get_device_properties(device)
-        width = self._profile.memory_bus_width_bits
-        # DDR: bandwidth = 2 x clock x width / 8, which triton.testing.get_dram_gbps inverts.
-        memory_clock_khz = int(self._profile.memory_bandwidth_gbs * 1e6 * 8 / (2 * width)) if width else 0
         properties = {
             "max_shared_mem": props.shared_memory_per_block,
             "max_num_regs": props.regs_per_multiprocessor,
             "multiprocessor_count": props.multi_processor_count,
             "warpSize": props.warp_size,
             "sm_clock_rate": props.clock_rate,
-            "mem_clock_rate": memory_clock_khz,
-            "mem_bus_width": width,
+            "mem_clock_rate": self._profile.memory_clock_khz,
+            "mem_bus_width": self._profile.memory_bus_width_bits,
         }
         if self._profile.is_amd:
             properties["arch"] = props.gcnArchName

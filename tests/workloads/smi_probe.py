@@ -1,0 +1,42 @@
+"""Runs the vendor's smi tools from inside a workload that holds device memory, as a job script
+would, and prints one JSON object of what they said (tests/test_smi_commands.py reads it).
+
+It takes 1 GiB on cuda:1 first, so that the tools have a process and memory to report."""
+
+import json
+import os
+import shutil
+import subprocess
+
+import torch
+
+
+def run(*argv: str) -> dict:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    return {"rc": done.returncode, "out": done.stdout, "err": done.stderr}
+
+
+held = torch.empty(2**30, dtype=torch.uint8, device="cuda:1")
+report = {"pid": os.getpid(), "which": {tool: shutil.which(tool) for tool in ("nvidia-smi", "rocm-smi")},
+          "uuids": [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]}
+if torch.version.cuda:
+    from torch.testing._internal.common_cuda import PLATFORM_SUPPORTS_GREEN_CONTEXT
+    from torch.utils import collect_env
+
+    report.update({
+        "table": run("nvidia-smi"), "list": run("nvidia-smi", "-L"), "topology": run("nvidia-smi", "topo", "-m"),
+        "query": run("nvidia-smi", "--query-gpu=index,name,memory.total,memory.used,memory.free,pci.bus_id",
+                     "--format=csv,noheader,nounits"),
+        "query_units": run("nvidia-smi", "-i", "1", "--query-gpu=memory.used,utilization.gpu,power.draw",
+                           "--format=csv"),
+        "apps": run("nvidia-smi", "--query-compute-apps=pid,used_memory,gpu_bus_id", "--format=csv,noheader"),
+        "unknown_option": run("nvidia-smi", "-q"), "unknown_field": run("nvidia-smi", "--query-gpu=bogus",
+                                                                        "--format=csv"),
+        "missing_gpu": run("nvidia-smi", "-i", "7", "-L"),
+        "driver": collect_env.get_nvidia_driver_version(collect_env.run),
+        "green_context_gate": bool(PLATFORM_SUPPORTS_GREEN_CONTEXT),
+    })
+else:
+    report.update({"concise": run("rocm-smi"), "memory": run("rocm-smi", "--showmeminfo", "vram", "--json"),
+                   "product": run("rocm-smi", "--showproductname", "-d", "1"), "unknown_option": run("rocm-smi", "--showpids")})
+print(json.dumps(report))
