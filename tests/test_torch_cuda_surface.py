@@ -61,7 +61,7 @@ def device_properties(value) -> bool:
     return (value["name"] == PROFILE["torch_name"] and (value["major"], value["minor"]) == (major, minor)
             and value["total_memory"] == PROFILE["memory_bytes"]
             and value["multi_processor_count"] == PROFILE["compute_units"]
-            and value["gcnArchName"] == (PROFILE["arch"] if AMD else "NVIDIA CUDA")
+            and value["gcnArchName"] == (PROFILE["arch"] + ":sramecc+:xnack-" if AMD else "NVIDIA CUDA")
             and value["warp_size"] == PROFILE["warp_size"] and value["is_integrated"] is False
             and value["shared_memory_per_block"] == PROFILE["shared_memory_per_block"]
             and isinstance(value["uuid"], str) and value["L2_cache_size"] == PROFILE["l2_cache_bytes"])

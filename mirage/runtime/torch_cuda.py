@@ -23,6 +23,9 @@ from mirage.runtime.unprofiled import unprofiled
 _HIP_VERSION = "7.0.51831-a3e329ad8"
 _CUDA_VERSION = "12.8"
 _CUDA_DEVICE_TYPE = 1  # c10::DeviceType::CUDA
+# What HIP appends to a CDNA GPU's gcnArchName with the driver's defaults (ECC on, XNACK off):
+# "gfx942:sramecc+:xnack-" on MI300X, as collect_env and device property printouts show it.
+_AMD_TARGET_FEATURES = ":sramecc+:xnack-"
 
 
 class DeviceProperties:
@@ -41,7 +44,7 @@ class DeviceProperties:
         self.shared_memory_per_block = profile.shared_memory_per_block
         self.L2_cache_size = profile.l2_cache_bytes
         self.clock_rate = int(profile.clock_ghz * 1e6)  # kHz, as CUDA reports it
-        self.gcnArchName = profile.arch if profile.is_amd else "NVIDIA CUDA"
+        self.gcnArchName = profile.arch + _AMD_TARGET_FEATURES if profile.is_amd else "NVIDIA CUDA"
         self.uuid = visible_devices.gpu_uuid(node_gpu)
         self.pci_bus_id = node_gpu + 1
         self.pci_device_id = 0
@@ -216,13 +219,20 @@ def _install(torch: ModuleType, _disable_current_modes: Callable) -> None:
         torch.ops.mirage.graph_check_not_capturing()
         torch.ops.mirage.clock_synchronize()
 
+    def cuda_init() -> None:
+        """torch._C._cuda_init: the allocator's configuration checked (PYTORCH_CUDA_ALLOC_CONF), and
+        CUDA_MODULE_LOADING set to LAZY where the user left it unset (CUDAHooks::init, on CUDA and
+        ROCm builds alike: collect_env reports it)."""
+        torch.ops.mirage.apply_allocator_config()
+        os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
+
     bindings = {
         "_cuda_getDeviceCount": lambda: count,
         "_cuda_getDevice": C._accelerator_getDeviceIndex,
         "_cuda_setDevice": C._accelerator_setDeviceIndex,
         "_cuda_exchangeDevice": C._accelerator_exchangeDevice,
         "_cuda_maybeExchangeDevice": C._accelerator_maybeExchangeDevice,
-        "_cuda_init": torch.ops.mirage.apply_allocator_config,  # PYTORCH_CUDA_ALLOC_CONF's checks
+        "_cuda_init": cuda_init,
         "_cuda_isInBadFork": lambda: False,  # host memory survives fork
         "_cuda_getArchFlags": lambda: profile.arch,
         "_cuda_getCompiledVersion": lambda: 70051831 if profile.is_amd else 12080,

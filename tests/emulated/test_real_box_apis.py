@@ -298,3 +298,16 @@ def test_host_memory_stats_count_pinned_blocks_as_the_caching_host_allocator_rou
     assert stats["allocations.current"] == before + 1 and stats["allocated_bytes.allocated"] >= 4096
     del pinned
     assert torch.cuda.host_memory_stats()["allocations.freed"] >= 1
+
+
+def test_cuda_initialisation_sets_lazy_module_loading_unless_the_user_chose():
+    """CUDAHooks::init sets CUDA_MODULE_LOADING=LAZY when it is unset (collect_env prints it); a
+    user's own value stays. Fresh processes of the session, each initialising CUDA."""
+    import subprocess
+    import sys
+
+    script = "import os, torch; torch.cuda.init(); print(os.environ.get('CUDA_MODULE_LOADING'))"
+    unset = {k: v for k, v in os.environ.items() if k != "CUDA_MODULE_LOADING"}
+    for env, expected in ((unset, "LAZY"), ({**unset, "CUDA_MODULE_LOADING": "EAGER"}, "EAGER")):
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert done.stdout.strip() == expected, done.stderr[-2000:]
