@@ -17,10 +17,10 @@ def test_torch_cuda_api_inside_an_emulated_session():
 def test_nvidia_profile_presents_a_cuda_build():
     script = ("import torch; p = torch.cuda.get_device_properties(0); "
               "print(torch.version.cuda, torch.version.hip, p.name, p.major, p.minor, "
-              "torch.cuda.device_count())")
+              "torch.cuda.device_count(), torch.__version__.split('+')[1])")
     result = mirage("run", "--profile", "h100", "--gpus-per-node", "2", "--", "python", "-c", script)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["12.8", "None", "NVIDIA", "H100", "80GB", "HBM3", "9", "0", "2"]
+    assert result.stdout.split() == ["12.8", "None", "NVIDIA", "H100", "80GB", "HBM3", "9", "0", "2", "cu128"]
 
 
 def test_out_of_memory_names_cuda_on_nvidia_profiles():

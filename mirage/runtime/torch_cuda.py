@@ -203,6 +203,11 @@ def _install(torch: ModuleType, _disable_current_modes: Callable) -> None:
 
     torch.version.hip = _HIP_VERSION if profile.is_amd else None
     torch.version.cuda = None if profile.is_amd else _CUDA_VERSION
+    # A GPU wheel's version names its toolkit where the CPU wheel's says +cpu: 2.13.0+cu128 (PyPI's
+    # and download.pytorch.org's CUDA 12.8 wheels), 2.13.0+rocm7.0. The package metadata keeps +cpu.
+    toolkit = "rocm" + ".".join(_HIP_VERSION.split(".")[:2]) if profile.is_amd else "cu" + _CUDA_VERSION.replace(".", "")
+    torch.__version__ = torch.version.__version__ = type(torch.__version__)(
+        torch.__version__.split("+")[0] + "+" + toolkit)
     C._has_cuda = True  # torch.backends.cuda.is_built(): true on CUDA and ROCm builds alike
 
     def stream_tuple(stream) -> tuple[int, int, int]:

@@ -311,3 +311,13 @@ def test_cuda_initialisation_sets_lazy_module_loading_unless_the_user_chose():
     for env, expected in ((unset, "LAZY"), ({**unset, "CUDA_MODULE_LOADING": "EAGER"}, "EAGER")):
         done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
         assert done.stdout.strip() == expected, done.stderr[-2000:]
+
+
+def test_torch_version_names_the_toolkit_as_a_gpu_wheel_does():
+    """2.13.0+rocm7.0 on AMD profiles (2.13.0+cu128 on NVIDIA ones), where the CPU wheel says +cpu;
+    comparisons and the release are the installed torch's."""
+    import importlib.metadata
+
+    release = importlib.metadata.version("torch").split("+")[0]
+    assert torch.__version__ == torch.version.__version__ == f"{release}+rocm7.0"
+    assert torch.__version__ >= release and torch.__version__ < "99"
