@@ -19,13 +19,23 @@ from mirage.runtime.visible_devices import gpu_uuid, visible_gpus
     ("0,-1,2", [0]),            # invalid: same
     ("-1", []),
     ("1,1", [1]),               # repeated: same
-    ("GPU-00000002", [2]),      # a UUID prefix, as nvidia-smi -L prints it
-    ("GPU-0000000", []),        # a prefix that fits several GPUs names none
-    (f"0,GPU-{gpu_uuid(3)}", [0, 3]),
+    (f"GPU-{gpu_uuid(2, 0)[:8]}", [2]),  # a UUID prefix, as nvidia-smi -L prints it
+    ("GPU-", []),                        # "GPU-" alone names none
+    (f"0,GPU-{gpu_uuid(3, 0)}", [0, 3]),
+    (f"GPU-{gpu_uuid(3, 1)}", []),       # another node's GPU
 ])
 def test_cuda_visible_devices(value, expected):
     env = {} if value is None else {"CUDA_VISIBLE_DEVICES": value}
     assert visible_gpus(4, amd=False, env=env) == expected
+
+
+def test_uuids_are_distinct_across_a_clusters_nodes_and_stable():
+    uuids = {gpu_uuid(gpu, node) for node in range(64) for gpu in range(8)}
+    assert len(uuids) == 64 * 8 and gpu_uuid(5, 3) == gpu_uuid(5, 3)
+    first = [gpu_uuid(gpu, 0)[0] for gpu in range(8)]
+    shared = next(c for c in first if first.count(c) > 1)  # a prefix that fits several GPUs names none
+    assert visible_gpus(8, amd=False, env={"CUDA_VISIBLE_DEVICES": f"0,GPU-{shared}"}) == [0]
+    assert visible_gpus(4, amd=False, env={"MIRAGE_NODE_RANK": "1", "CUDA_VISIBLE_DEVICES": f"GPU-{gpu_uuid(3, 1)}"}) == [3]
 
 
 def test_rocm_narrows_with_rocr_then_picks_with_hip_before_cuda():

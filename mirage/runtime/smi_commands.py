@@ -47,6 +47,7 @@ class Gpu:
     """One GPU of this process's node, as the smi tools report it."""
 
     index: int
+    node: int
     used_bytes: int = 0
     utilization_percent: int = 0
     temperature_c: int = profiles.IDLE_CELSIUS
@@ -55,7 +56,7 @@ class Gpu:
 
     @property
     def uuid(self) -> str:
-        return gpu_uuid(self.index)
+        return gpu_uuid(self.index, self.node)
 
     @property
     def bus_id(self) -> str:
@@ -66,7 +67,7 @@ def node_gpus(profile: profiles.Profile) -> list[Gpu]:
     """The node's GPUs now, from the session's service; figures at rest without one (--in-process)."""
     node = int(os.environ.get("MIRAGE_NODE_RANK", "0"))
     count = int(os.environ.get("MIRAGE_NUM_GPUS", profile.gpus_per_node))
-    gpus = [Gpu(i, power_watts=profile.power_watts(0.0)) for i in range(count)]
+    gpus = [Gpu(i, node, power_watts=profile.power_watts(0.0)) for i in range(count)]
     socket_path = os.environ.get("MIRAGE_SOCKET")
     if not socket_path:
         return gpus

@@ -45,7 +45,7 @@ class DeviceProperties:
         self.L2_cache_size = profile.l2_cache_bytes
         self.clock_rate = int(profile.clock_ghz * 1e6)  # kHz, as CUDA reports it
         self.gcnArchName = profile.arch + _AMD_TARGET_FEATURES if profile.is_amd else "NVIDIA CUDA"
-        self.uuid = visible_devices.gpu_uuid(node_gpu)
+        self.uuid = visible_devices.gpu_uuid(node_gpu, int(os.environ.get("MIRAGE_NODE_RANK", "0")))
         self.pci_bus_id = node_gpu + 1
         self.pci_device_id = 0
         self.pci_domain_id = 0
