@@ -57,6 +57,8 @@ def test_nvidia_smi_refuses_what_it_does_not_emulate_as_the_tool_does():
     assert (report["unknown_field"]["rc"], report["unknown_field"]["out"].strip()) == \
         (2, 'Field "bogus" is not a valid field to query.')
     assert (report["missing_gpu"]["rc"], report["missing_gpu"]["out"].strip()) == (6, "No devices were found")
+    looped = report["loop"]["out"].splitlines()  # -l 1 until `timeout` stops it: the header once
+    assert report["loop"]["rc"] == 124 and looped[0] == "index" and len(looped) >= 3 and set(looped[1:]) == {"0"}
 
 
 def test_rocm_smi_on_an_amd_profile():

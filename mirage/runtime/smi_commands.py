@@ -13,7 +13,7 @@ processes, utilization and the modelled power and temperature) and the profile.
 
 What is printed follows the tools' formats (nvidia-smi of driver R570, the CUDA 12.8 driver
 line; rocm-smi of ROCm 7.0): the default tables, `nvidia-smi -L`, `-i`, `--query-gpu` and
-`--query-compute-apps` with `--format=csv[,noheader][,nounits]`, `topo -m`; `rocm-smi` with
+`--query-compute-apps` with `--format=csv[,noheader][,nounits]`, `-l` (loop), `topo -m`; `rocm-smi` with
 `--showproductname`, `--showmeminfo vram`, `--showuse`, `--showid` and `--json`. An option either
 tool has and this one does not is refused (exit 2) with a line naming what is emulated. The
 GPUs are the node's, whatever CUDA_VISIBLE_DEVICES says (the tools read the driver, not the
@@ -259,50 +259,60 @@ def nvidia_smi(argv: list[str]) -> int:
     parser.add_argument("--query-gpu")
     parser.add_argument("--query-compute-apps")
     parser.add_argument("--format")
+    parser.add_argument("-l", "--loop", type=int, nargs="?", const=5)  # seconds; nvidia-smi's default 5
     args, unknown = parser.parse_known_args(argv)
-    if unknown or args.help:
+    if unknown or args.help or (args.loop is not None and args.loop < 1):
         raise UsageError("this nvidia-smi (mirage's, answered by the emulated GPUs) takes: no option (the "
                          "table), -L, -i ID, --query-gpu=FIELDS or --query-compute-apps=FIELDS with "
-                         "--format=csv[,noheader][,nounits], and `topo -m`" + (f"; not {' '.join(unknown)}" if unknown else ""))
+                         "--format=csv[,noheader][,nounits], -l [SECONDS] and `topo -m`"
+                         + (f"; not {' '.join(unknown)}" if unknown else ""))
     profile = profiles.load(os.environ["MIRAGE_PROFILE"])
-    gpus = node_gpus(profile)
-    try:
-        gpus = _pick(gpus, args.id)
-    except LookupError:
-        print("No devices were found")
-        return 6
-    if args.list_gpus:
-        print("\n".join(f"GPU {g.index}: {profile.torch_name} (UUID: GPU-{g.uuid})" for g in gpus))
-    elif args.query_gpu:
-        options = _format_options(args.format)
-        known = _nvidia_fields(profile, gpus)
-        names = [n.strip() for n in args.query_gpu.split(",")]
-        for name in names:
-            if name not in known:
-                print(f'Field "{name}" is not a valid field to query.\n')
-                return 2
-        header = [(n, known[n][0]) for n in names]
-        print(_csv([[(n, known[n][0], known[n][1](g)) for n in names] for g in gpus], header, options))
-    elif args.query_compute_apps:
-        options = _format_options(args.format)
-        apps = {"pid": ("pid", ""), "process_name": ("process_name", ""), "name": ("process_name", ""),
-                "used_memory": ("used_gpu_memory", "MiB"), "used_gpu_memory": ("used_gpu_memory", "MiB"),
-                "gpu_uuid": ("gpu_uuid", ""), "gpu_bus_id": ("gpu_bus_id", ""), "gpu_name": ("gpu_name", "")}
-        names = [n.strip() for n in args.query_compute_apps.split(",")]
-        for name in names:
-            if name not in apps:
-                print(f'Field "{name}" is not a valid field to query.\n')
-                return 2
+    apps = {"pid": ("pid", ""), "process_name": ("process_name", ""), "name": ("process_name", ""),
+            "used_memory": ("used_gpu_memory", "MiB"), "used_gpu_memory": ("used_gpu_memory", "MiB"),
+            "gpu_uuid": ("gpu_uuid", ""), "gpu_bus_id": ("gpu_bus_id", ""), "gpu_name": ("gpu_name", "")}
+    query = args.query_gpu or args.query_compute_apps
+    options = _format_options(args.format) if query else set()
+    names = [n.strip() for n in query.split(",")] if query else []
+    known = _nvidia_fields(profile, []) if args.query_gpu else apps
+    for name in names:
+        if name not in known:
+            print(f'Field "{name}" is not a valid field to query.\n')
+            return 2
 
-        def value(name: str, gpu: Gpu, pid: int, used: int) -> str:
-            return {"pid": str(pid), "process_name": process_name(pid), "used_gpu_memory": str(_mib(used)),
-                    "gpu_uuid": f"GPU-{gpu.uuid}", "gpu_bus_id": gpu.bus_id, "gpu_name": profile.torch_name}[apps[name][0]]
+    def app_value(name: str, gpu: Gpu, pid: int, used: int) -> str:
+        return {"pid": str(pid), "process_name": process_name(pid), "used_gpu_memory": str(_mib(used)),
+                "gpu_uuid": f"GPU-{gpu.uuid}", "gpu_bus_id": gpu.bus_id, "gpu_name": profile.torch_name}[apps[name][0]]
 
-        rows = [[(n, apps[n][1], value(n, g, pid, used)) for n in names] for g in gpus for pid, used in g.processes]
-        print(_csv(rows, [apps[n] for n in names], options))
-    else:
-        print(_nvidia_table(profile, gpus))
-    return 0
+    def snapshot(gpus: list[Gpu], header: bool) -> str:
+        shown = options if header else options | {"noheader"}  # a loop prints the CSV header once
+        if args.list_gpus:
+            return "\n".join(f"GPU {g.index}: {profile.torch_name} (UUID: GPU-{g.uuid})" for g in gpus)
+        if args.query_gpu:
+            fields = _nvidia_fields(profile, gpus)
+            return _csv([[(n, fields[n][0], fields[n][1](g)) for n in names] for g in gpus],
+                        [(n, fields[n][0]) for n in names], shown)
+        if args.query_compute_apps:
+            rows = [[(n, apps[n][1], app_value(n, g, pid, used)) for n in names] for g in gpus for pid, used in g.processes]
+            return _csv(rows, [apps[n] for n in names], shown)
+        return _nvidia_table(profile, gpus)
+
+    first = True
+    while True:
+        try:
+            gpus = _pick(node_gpus(profile), args.id)
+        except LookupError:
+            print("No devices were found")
+            return 6
+        text = snapshot(gpus, first)
+        if text:
+            print(text, flush=True)
+        if args.loop is None:
+            return 0
+        first = False
+        try:
+            time.sleep(args.loop)
+        except KeyboardInterrupt:
+            return 0
 
 
 # --- rocm-smi ---------------------------------------------------------------------------------
