@@ -198,7 +198,7 @@ def _nvidia_fields(profile: profiles.Profile, gpus: list[Gpu]) -> dict[str, tupl
     }
     aliases = {"gpu_name": "name", "gpu_uuid": "uuid", "gpu_bus_id": "pci.bus_id", "clocks.current.sm": "clocks.sm",
                "clocks.current.graphics": "clocks.gr", "clocks.graphics": "clocks.gr", "clocks.max.graphics": "clocks.max.gr",
-               "clocks.max.sm": "clocks.max.sm", "power.draw.instant": "power.draw", "persistence": "persistence_mode"}
+               "power.draw.instant": "power.draw"}
     return {**fields, **{alias: fields[target] for alias, target in aliases.items()}}
 
 
