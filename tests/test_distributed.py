@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, mirage
+
+from mirage.runtime.visible_devices import gpu_uuid
 from mirage.launcher import nodes
 
 NCCL_ENV = ["--env", "NCCL_P2P_DISABLE=1", "--env", "NCCL_SHM_DISABLE=1", "--env", "NCCL_SOCKET_IFNAME=lo"]
@@ -278,11 +280,11 @@ def test_one_gpu_per_rank_through_cuda_visible_devices(tmp_path):
         "dist.init_process_group('nccl')\n"
         "t = torch.full((3 * 2**20,), float(dist.get_rank() + 1), device='cuda:0')\n"
         "dist.all_reduce(t)\n"
-        "print('visible', os.environ['CUDA_VISIBLE_DEVICES'], str(uuid)[-2:], t[0].item(), flush=True)\n")
+        "print('visible', os.environ['CUDA_VISIBLE_DEVICES'], uuid, t[0].item(), flush=True)\n")
     command = f"CUDA_VISIBLE_DEVICES=$(( (LOCAL_RANK + 1) % 2 )) exec python {script}"
     result = mirage("run", "--nproc-per-node", "2", "--gpus-per-node", "2", "--", "sh", "-c", command, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "[0] visible 1 01 3.0" in result.stdout and "[1] visible 0 00 3.0" in result.stdout
+    assert f"[0] visible 1 {gpu_uuid(1, 0)} 3.0" in result.stdout and f"[1] visible 0 {gpu_uuid(0, 0)} 3.0" in result.stdout
     for gpu in ("0:0", "0:1"):  # each rank's 12 MiB segment (and 512 MiB context) landed on its own node GPU
         assert any(line.split()[:2] == [gpu, "524.00"] for line in result.stderr.splitlines()), result.stderr
 

@@ -314,7 +314,7 @@ def test_an_elastic_job_re_forms_its_world_without_a_node_that_failed(tmp_path):
     """Mutations show the fault decides it (2026-12-04): with the kill-node left out of MIRAGE_FAULTS
     (the trigger never counts) node 0 trains to the end in the two-node world; with NodeKiller killing
     only the asking rank, node 1's agent restarts its worker and node 0 ends in a two-node world, restart 1."""
-    steps = elastic_run(tmp_path, KILL_NODE_1_AT_STEP_4, 50)
+    steps = elastic_run(tmp_path, KILL_NODE_1_AT_STEP_4, 16)
     node0 = [(s["world"], s["restart"]) for s in steps if s["node"] == 0]
     # both nodes trained together, then node 0's agent restarted its worker in a world of its own ...
     assert node0[0] == (2, 0) and node0[-1] == (1, 1)
@@ -322,7 +322,7 @@ def test_an_elastic_job_re_forms_its_world_without_a_node_that_failed(tmp_path):
     # ... which went on from where the two-node world left off (step 4), to the end
     alone = [s["step"] for s in steps if s["node"] == 0 and s["world"] == 1]
     together = [s["step"] for s in steps if s["node"] == 0 and s["world"] == 2]
-    assert together == [0, 1, 2, 3] and alone == list(range(4, 50))
+    assert together == [0, 1, 2, 3] and alone == list(range(4, 16))
 
 
 @pytest.mark.slow  # 34 s: MIRAGE_SLOW_TESTS=1; the default suite re-forms the world without the node (above)

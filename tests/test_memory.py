@@ -114,12 +114,12 @@ def held():
     status = open('/proc/self/status').read().splitlines()
     return sum(int(line.split()[1]) * 1024 for line in status if line.startswith(('RssAnon:', 'RssShmem:')))
 start = held()
-x = torch.empty(1024 * MiB, dtype=torch.uint8, device='cuda')
+x = torch.empty(512 * MiB, dtype=torch.uint8, device='cuda')
 x[:64 * MiB].fill_(1)
 print('allocated', torch.cuda.memory_allocated() // MiB, 'sum', int(x.sum()) // MiB, 'read', (held() - start) // MiB)
 del x
 start = held()
-blocks = [torch.ones(16 * MiB, dtype=torch.uint8, device='cuda') for _ in range(32)]
+blocks = [torch.ones(16 * MiB, dtype=torch.uint8, device='cuda') for _ in range(16)]
 del blocks
 print('reserved', torch.cuda.memory_reserved() // MiB, 'freed', (held() - start) // MiB)
 """
@@ -137,12 +137,12 @@ def test_lazy_device_memory_holds_on_the_host_only_what_is_live_and_written():
     for f in figures.values():
         # the GPU's figures whatever the host holds (x's segment cached, the blocks split from it,
         # a small segment for the sum); never-written device memory reads as zeros
-        assert (f["allocated"], f["sum"], f["reserved"]) == (1024, 64, 1024 + 2), figures
+        assert (f["allocated"], f["sum"], f["reserved"]) == (512, 64, 512 + 2), figures
     # lazy: the 64 MiB written (and a little of the process's own); the never-written rest costs
     # nothing though read, and freed blocks give their pages back
     assert figures["lazy"]["read"] < 64 + 48 and figures["lazy"]["freed"] < 48, figures
     # default: reading shared memory allocates it, and freed blocks keep their pages for the next
-    assert figures["default"]["read"] >= 1000 and figures["default"]["freed"] >= 500, figures
+    assert figures["default"]["read"] >= 480 and figures["default"]["freed"] >= 240, figures
 
 
 def test_lazy_device_memory_collectives_stage_through_shared_memory():

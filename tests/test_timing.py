@@ -175,9 +175,9 @@ def test_softmax_reads_a_row_again_where_it_fits_neither_registers_nor_shared_me
     m = model(name)
     bytes_per_ns, fixed_ns = m["memory_bandwidth_gbs"] * m["memory_efficiency"], m["kernel_overhead_us"] * 1e3
     # case: (elements, bytes per element, forward's extra reads of the input, backward's of the gradient)
-    rereads = {"f32_4096": (2048 * 4096, 4, 0, 0), "f32_16384": (2048 * 16384, 4, 2, 1),
-               "f32_12288": (2048 * 12288, 4, 2 if name == "h100" else 0, 1 if name == "h100" else 0),
-               "bf16_16384": (2048 * 16384, 2, 0, 0), "f32_dim0": (32768 * 64, 4, 2, 1)}
+    rereads = {"f32_4096": (512 * 4096, 4, 0, 0), "f32_16384": (512 * 16384, 4, 2, 1),
+               "f32_12288": (512 * 12288, 4, 2 if name == "h100" else 0, 1 if name == "h100" else 0),
+               "bf16_16384": (512 * 16384, 2, 0, 0), "f32_dim0": (32768 * 64, 4, 2, 1)}
     for mode in (["--predict-only"], []) if name == "h100" else (["--predict-only"],):
         run = mirage("run", "--quiet", "--timing", *mode, "--profile", name, "--gpus-per-node", "1", "--",
                      sys.executable, str(WORKLOAD), "softmax_rows")

@@ -1,5 +1,6 @@
 """Runs the vendor's smi tools from inside a workload that holds device memory, as a job script
-would, and prints one JSON object of what they said (tests/test_smi_commands.py reads it).
+would, and prints one JSON object of what they said (tests/test_smi_commands.py reads it), with
+what torch's green contexts did (which torch gates on the driver nvidia-smi reports).
 
 It takes 1 GiB on cuda:1 first, so that the tools have a process and memory to report."""
 
@@ -9,6 +10,28 @@ import shutil
 import subprocess
 
 import torch
+
+
+def green_context() -> list:
+    """What torch's green contexts do here: [switched stream?, restored?, a result, the SM check's
+    message], or the refusal's message."""
+    from torch.cuda.green_contexts import GreenContext
+
+    try:
+        context = GreenContext.create(num_sms=16, device_id=0)
+    except RuntimeError as error:
+        return [str(error)]
+    before = torch.cuda.current_stream()
+    context.set_context()
+    inside = torch.cuda.current_stream()
+    x = torch.ones(4, device="cuda") * 2
+    context.pop_context()
+    try:
+        GreenContext.create(num_sms=1000)
+        checked = "no error"
+    except RuntimeError as error:
+        checked = str(error)
+    return [inside != before, torch.cuda.current_stream() == before, x.sum().item(), checked]
 
 
 def run(*argv: str) -> dict:
@@ -40,4 +63,5 @@ if torch.version.cuda:
 else:
     report.update({"concise": run("rocm-smi"), "memory": run("rocm-smi", "--showmeminfo", "vram", "--json"),
                    "product": run("rocm-smi", "--showproductname", "-d", "1"), "unknown_option": run("rocm-smi", "--showpids")})
+report["green_context"] = green_context()  # last: it takes memory on cuda:0, which the tools report
 print(json.dumps(report))
