@@ -12,8 +12,8 @@ import pytest
 
 from conftest import REPO, mirage
 
-from mirage.runtime.visible_devices import gpu_uuid
 from mirage.launcher import nodes
+from mirage.runtime.visible_devices import gpu_uuid
 
 NCCL_ENV = ["--env", "NCCL_P2P_DISABLE=1", "--env", "NCCL_SHM_DISABLE=1", "--env", "NCCL_SOCKET_IFNAME=lo"]
 # Isolated emulated nodes (asked for) reach each other on eth0, as a cluster's nodes on their NIC.
