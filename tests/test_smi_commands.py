@@ -1,4 +1,4 @@
-"""The vendor's smi tools inside a session (mirage/runtime/smi_commands.py): a workload that holds
+"""The vendor's smi tools (nvidia-smi; rocm-smi and amd-smi) inside a session (mirage/runtime/smi_commands.py): a workload that holds
 1 GiB on cuda:1 runs them (tests/workloads/smi_probe.py), and what they print must be the session's
 GPUs, memory and processes, in the tools' formats; torch's own readers of nvidia-smi (collect_env,
 common_cuda's green-context gate) must read it, and green contexts must then work."""
@@ -28,7 +28,8 @@ def probe(profile: str) -> dict:
 def test_nvidia_smi_reports_the_sessions_gpus_memory_and_processes():
     h100 = profiles.load("h100")
     report = probe("h100")
-    assert report["which"]["rocm-smi"] is None and report["which"]["nvidia-smi"].endswith("smi_bin/nvidia/nvidia-smi")
+    assert report["which"]["rocm-smi"] is None and report["which"]["amd-smi"] is None
+    assert report["which"]["nvidia-smi"].endswith("smi_bin/nvidia/nvidia-smi")
     used = (HELD + h100.context_bytes) // MIB  # the allocation and the process's GPU context
     table = report["table"]["out"]
     assert report["table"]["rc"] == 0 and "Driver Version: 570.172.08     CUDA Version: 12.8" in table
@@ -65,6 +66,7 @@ def test_rocm_smi_on_an_amd_profile():
     mi350x = profiles.load("mi350x")
     report = probe("mi350x")
     assert report["which"]["nvidia-smi"] is None and report["which"]["rocm-smi"].endswith("smi_bin/amd/rocm-smi")
+    assert report["which"]["amd-smi"].endswith("smi_bin/amd/amd-smi")
     concise = report["concise"]["out"].splitlines()
     assert concise[0] == " ROCm System Management Interface ".center(122, "=") and concise[1].count("Concise Info")
     gpu_rows = [line.split() for line in concise if line[:1].isdigit()]
@@ -77,6 +79,21 @@ def test_rocm_smi_on_an_amd_profile():
     assert f"GPU[1]\t\t: Card Series: {mi350x.torch_name}" in report["product"]["out"]
     assert "GPU[0]" not in report["product"]["out"]
     assert report["unknown_option"]["rc"] == 2 and "not --showpids" in report["unknown_option"]["err"]
+
+
+def test_amd_smi_on_an_amd_profile():
+    mi350x = profiles.load("mi350x")
+    report = probe("mi350x")
+    listed = json.loads(report["amd_list"]["out"])
+    assert [(g["gpu"], g["bdf"], g["uuid"]) for g in listed] == [
+        (i, f"0000:{i + 1:02x}:00.0", uuid) for i, uuid in enumerate(report["uuids"])]
+    header, *rows = report["amd_monitor"]["out"].splitlines()
+    assert header.split() == ["GPU", "XCP", "POWER", "GPU_T", "MEM_T", "GFX_CLK", "GFX%", "MEM%", "ENC%", "DEC%",
+                              "VRAM_USAGE"]
+    total = f"{mi350x.memory_bytes / 2**30:.1f} GB"
+    assert rows[0].endswith(f" 0.0/{total}") and rows[1].endswith(f" {(HELD + mi350x.context_bytes) / 2**30:.1f}/{total}")
+    assert all(len(row) == len(header) for row in rows)  # right-aligned under the header
+    assert report["amd_unknown"]["rc"] == 2 and "`list [--json]` and `monitor`" in report["amd_unknown"]["err"]
 
 
 def test_the_tools_outside_a_session_say_so():

@@ -1,4 +1,4 @@
-"""`nvidia-smi` and `rocm-smi` inside a session, answered by the emulated GPUs.
+"""`nvidia-smi`, `rocm-smi` and `amd-smi` inside a session, answered by the emulated GPUs.
 
 The first thing a job script, a CI step or a bug report runs on a GPU box is the vendor's smi
 tool: `nvidia-smi` to see the GPUs, `nvidia-smi --query-gpu=... --format=csv` to size a job,
@@ -12,10 +12,12 @@ service's status (what `mirage smi` prints: memory in use on each GPU by every p
 processes, utilization and the modelled power and temperature) and the profile.
 
 What is printed follows the tools' formats (nvidia-smi of driver R570, the CUDA 12.8 driver
-line; rocm-smi of ROCm 7.0): the default tables, `nvidia-smi -L`, `-i`, `--query-gpu` and
-`--query-compute-apps` with `--format=csv[,noheader][,nounits]`, `-l` (loop), `topo -m`; `rocm-smi` with
-`--showproductname`, `--showmeminfo vram`, `--showuse`, `--showid` and `--json`. An option either
-tool has and this one does not is refused (exit 2) with a line naming what is emulated. The
+line; rocm-smi and amd-smi of ROCm 7.0): the default tables, `nvidia-smi -L`, `-i`, `--query-gpu`
+and `--query-compute-apps` with `--format=csv[,noheader][,nounits]`, `-l` (loop), `topo -m`;
+`rocm-smi` with `--showproductname`, `--showmeminfo vram`, `--showuse`, `--showid` and `--json`;
+`amd-smi list [--json]` and `amd-smi monitor` (its default columns; memory and hotspot
+temperature both the one model's). An option a tool has and this one does not is refused
+(exit 2) with a line naming what is emulated. The
 GPUs are the node's, whatever CUDA_VISIBLE_DEVICES says (the tools read the driver, not the
 runtime's view). memory.total is torch's total_memory: a real nvidia-smi shows a few hundred
 MiB more, the driver's reserve.
@@ -421,7 +423,47 @@ def rocm_smi(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"nvidia-smi": nvidia_smi, "rocm-smi": rocm_smi}
+# --- amd-smi ----------------------------------------------------------------------------------
+
+# `amd-smi monitor`'s default columns: (header, least width); each is right-aligned, two spaces apart.
+_AMD_MONITOR_COLUMNS = [("GPU", 3), ("XCP", 3), ("POWER", 5), ("GPU_T", 6), ("MEM_T", 6), ("GFX_CLK", 8),
+                        ("GFX%", 5), ("MEM%", 5), ("ENC%", 5), ("DEC%", 5), ("VRAM_USAGE", 14)]
+
+
+def _amd_bdf(gpu: Gpu) -> str:
+    return f"0000:{gpu.index + 1:02x}:00.0"
+
+
+def amd_smi(argv: list[str]) -> int:
+    command = argv[0] if argv else None
+    rest = argv[1:]
+    if command not in ("list", "monitor") or rest not in ([], ["--json"]) or (command == "monitor" and rest):
+        raise UsageError("this amd-smi (mirage's, answered by the emulated GPUs) takes `list [--json]` and "
+                         "`monitor` (its default columns); rocm-smi answers the rest it emulates")
+    profile = profiles.load(os.environ["MIRAGE_PROFILE"])
+    gpus = node_gpus(profile)
+    if command == "list":
+        entries = [{"gpu": g.index, "bdf": _amd_bdf(g), "uuid": g.uuid, "kfd_id": _rocm_guid(g),
+                    "node_id": _rocm_kfd_node(g), "partition_id": 0} for g in gpus]
+        if rest:
+            print(json.dumps(entries, indent=4))
+        else:
+            print("\n\n".join(f"GPU: {e['gpu']}\n" + "\n".join(f"    {key.upper()}: {e[key]}" for key in
+                                                                  ("bdf", "uuid", "kfd_id", "node_id", "partition_id"))
+                              for e in entries))
+        return 0
+    total_gb = profile.memory_bytes / 2**30  # amd-smi's "GB" are GiB (a 24 GiB board reads 24.0 GB)
+    rows = [[str(g.index), "0", f"{round(g.power_watts)} W", f"{g.temperature_c} °C", f"{g.temperature_c} °C",
+             f"{round(profile.clock_ghz * 1000)} MHz", f"{g.utilization_percent} %", f"{g.utilization_percent} %",
+             "N/A", "N/A", f"{g.used_bytes / 2**30:.1f}/{total_gb:5.1f} GB"] for g in gpus]
+    widths = [max(least, *(len(r[i]) for r in rows)) for i, (_, least) in enumerate(_AMD_MONITOR_COLUMNS)]
+    print("  ".join(h.rjust(w) for (h, _), w in zip(_AMD_MONITOR_COLUMNS, widths)))
+    for row in rows:
+        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+    return 0
+
+
+COMMANDS = {"nvidia-smi": nvidia_smi, "rocm-smi": rocm_smi, "amd-smi": amd_smi}
 
 
 def main(command: str, argv: list[str]) -> int:

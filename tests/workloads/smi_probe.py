@@ -40,7 +40,7 @@ def run(*argv: str) -> dict:
 
 
 held = torch.empty(2**30, dtype=torch.uint8, device="cuda:1")
-report = {"pid": os.getpid(), "which": {tool: shutil.which(tool) for tool in ("nvidia-smi", "rocm-smi")},
+report = {"pid": os.getpid(), "which": {tool: shutil.which(tool) for tool in ("nvidia-smi", "rocm-smi", "amd-smi")},
           "uuids": [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]}
 if torch.version.cuda:
     from torch.testing._internal.common_cuda import PLATFORM_SUPPORTS_GREEN_CONTEXT
@@ -62,6 +62,8 @@ if torch.version.cuda:
     })
 else:
     report.update({"concise": run("rocm-smi"), "memory": run("rocm-smi", "--showmeminfo", "vram", "--json"),
-                   "product": run("rocm-smi", "--showproductname", "-d", "1"), "unknown_option": run("rocm-smi", "--showpids")})
+                   "product": run("rocm-smi", "--showproductname", "-d", "1"), "unknown_option": run("rocm-smi", "--showpids"),
+                   "amd_list": run("amd-smi", "list", "--json"), "amd_monitor": run("amd-smi", "monitor"),
+                   "amd_unknown": run("amd-smi", "static")})
 report["green_context"] = green_context()  # last: it takes memory on cuda:0, which the tools report
 print(json.dumps(report))
