@@ -154,7 +154,8 @@ VALUES = {
     "torch.cuda.tunable.get_filename": lambda value: isinstance(value, str) and value.endswith(".csv"),
     "torch.cuda.tunable.get_results": lambda value: value == [],
     "torch.cuda.tunable.get_validators":
-        lambda value: (["GCN_ARCH_NAME", PROFILE["arch"]] in value) if AMD else isinstance(value, list),
+        lambda value: ((["GCN_ARCH_NAME", PROFILE["arch"] + ":sramecc+:xnack-"] in value)
+                       and ["PT_VERSION", torch.__version__.split("+")[0]] in value) if AMD else isinstance(value, list),
     "torch.cuda.tunable.read_file": lambda value: value is False,  # the file does not exist
     "torch.cuda.tunable.get_rotating_buffer_size": lambda value: isinstance(value, int),
     "torch.cuda.amp.amp_definitely_not_available": lambda value: value is False,

@@ -70,6 +70,13 @@ class Profile:
         return self.vendor == "amd"
 
     @property
+    def gcn_arch_name(self) -> str:
+        """What HIP reports as an AMD GPU's gcnArchName: the target with the driver's default
+        features (ECC on, XNACK off), "gfx942:sramecc+:xnack-" on MI300X, as collect_env and
+        TunableOp's files show it; "NVIDIA CUDA" on NVIDIA (torch's value there)."""
+        return self.arch + ":sramecc+:xnack-" if self.is_amd else "NVIDIA CUDA"
+
+    @property
     def memory_clock_khz(self) -> int:
         """The memory clock a DDR interface of this width needs for the bandwidth (bandwidth = 2 x
         clock x width / 8, which triton.testing.get_dram_gbps inverts); 0 where the width is unknown."""

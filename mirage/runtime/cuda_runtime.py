@@ -57,9 +57,11 @@ class _TunableOp:
         self.rotating_buffer_mb = int(env.get("PYTORCH_TUNABLEOP_ROTATING_BUFFER_SIZE", "-1"))
         self.filename = env.get("PYTORCH_TUNABLEOP_FILENAME", "tunableop_results.csv")
         self.results: list[tuple[str, str, str, float]] = []
-        self.validators = (("PT_VERSION", _torch_version()),
+        # PT_VERSION is the release ("2.2.0" in torch.cuda.tunable's example), GCN_ARCH_NAME the
+        # device property's whole string ("gfx942:sramecc+:xnack-").
+        self.validators = (("PT_VERSION", _torch_version().split("+")[0]),
                            ("ROCM_VERSION" if profile.is_amd else "CUDA_VERSION", "emulated"),
-                           ("GCN_ARCH_NAME" if profile.is_amd else "DEVICE_ARCH", profile.arch))
+                           ("GCN_ARCH_NAME", profile.gcn_arch_name) if profile.is_amd else ("DEVICE_ARCH", profile.arch))
 
     def read_file(self, filename: str | None) -> bool:
         """Loads results written by a real run (Validator lines are checked by the real

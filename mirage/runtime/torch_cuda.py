@@ -23,9 +23,6 @@ from mirage.runtime.unprofiled import unprofiled
 _HIP_VERSION = "7.0.51831-a3e329ad8"
 _CUDA_VERSION = "12.8"
 _CUDA_DEVICE_TYPE = 1  # c10::DeviceType::CUDA
-# What HIP appends to a CDNA GPU's gcnArchName with the driver's defaults (ECC on, XNACK off):
-# "gfx942:sramecc+:xnack-" on MI300X, as collect_env and device property printouts show it.
-_AMD_TARGET_FEATURES = ":sramecc+:xnack-"
 
 
 class DeviceProperties:
@@ -44,7 +41,7 @@ class DeviceProperties:
         self.shared_memory_per_block = profile.shared_memory_per_block
         self.L2_cache_size = profile.l2_cache_bytes
         self.clock_rate = int(profile.clock_ghz * 1e6)  # kHz, as CUDA reports it
-        self.gcnArchName = profile.arch + _AMD_TARGET_FEATURES if profile.is_amd else "NVIDIA CUDA"
+        self.gcnArchName = profile.gcn_arch_name
         self.uuid = visible_devices.gpu_uuid(node_gpu, int(os.environ.get("MIRAGE_NODE_RANK", "0")))
         self.pci_bus_id = node_gpu + 1
         self.pci_device_id = 0
