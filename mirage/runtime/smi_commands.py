@@ -468,6 +468,10 @@ COMMANDS = {"nvidia-smi": nvidia_smi, "rocm-smi": rocm_smi, "amd-smi": amd_smi}
 
 def main(command: str, argv: list[str]) -> int:
     """Runs one tool; a refused command line prints its reason to stderr and exits 2."""
+    if command not in COMMANDS:
+        print(f"{command}: run this as one of {', '.join(COMMANDS)} (the links in mirage/runtime/smi_bin)",
+              file=sys.stderr)
+        return 2
     if "MIRAGE_PROFILE" not in os.environ:
         print(f"{command}: mirage's {command} answers only inside a mirage session (`mirage run ...`)",
               file=sys.stderr)
