@@ -78,7 +78,10 @@ def test_rocm_smi_on_an_amd_profile():
     assert int(memory["card1"]["VRAM Total Memory (B)"]) == mi350x.memory_bytes
     assert f"GPU[1]\t\t: Card Series: {mi350x.torch_name}" in report["product"]["out"]
     assert "GPU[0]" not in report["product"]["out"]
-    assert report["unknown_option"]["rc"] == 2 and "not --showpids" in report["unknown_option"]["err"]
+    assert report["unknown_option"]["rc"] == 2 and "not --showtopo" in report["unknown_option"]["err"]
+    used = HELD + mi350x.context_bytes
+    assert f"{report['pid']}\tpython\t1\t{used}\t0\t0" in report["pids"]["out"].splitlines()
+    assert json.loads(report["pids_json"]["out"]) == {"system": {f"PID{report['pid']}": f"python, 1, {used}, 0, 0"}}
 
 
 def test_amd_smi_on_an_amd_profile():

@@ -14,7 +14,8 @@ processes, utilization and the modelled power and temperature) and the profile.
 What is printed follows the tools' formats (nvidia-smi of driver R570, the CUDA 12.8 driver
 line; rocm-smi and amd-smi of ROCm 7.0): the default tables, `nvidia-smi -L`, `-i`, `--query-gpu`
 and `--query-compute-apps` with `--format=csv[,noheader][,nounits]`, `-l` (loop), `topo -m`;
-`rocm-smi` with `--showproductname`, `--showmeminfo vram`, `--showuse`, `--showid` and `--json`;
+`rocm-smi` with `--showproductname`, `--showmeminfo vram`, `--showuse`, `--showid`, `--showpids`
+and `--json`;
 `amd-smi list [--json]` and `amd-smi monitor` (its default columns; memory and hotspot
 temperature both the one model's). An option a tool has and this one does not is refused
 (exit 2) with a line naming what is emulated. The
@@ -374,6 +375,29 @@ def _rocm_sections(profile: profiles.Profile, gpus: list[Gpu], args: argparse.Na
     return sections
 
 
+def _rocm_pids(gpus: list[Gpu], as_json: bool) -> int:
+    """--showpids: each process using the GPUs (KFD's view), with how many it uses and its VRAM."""
+    users: dict[int, list[int]] = {}  # pid -> [GPUs, bytes]
+    for gpu in gpus:
+        for pid, used in gpu.processes:
+            entry = users.setdefault(pid, [0, 0])
+            entry[0] += 1
+            entry[1] += used
+    if as_json:
+        print(json.dumps({"system": {f"PID{pid}": f"{process_name(pid)}, {count}, {used}, 0, 0"
+                                     for pid, (count, used) in users.items()}}))
+        return 0
+    lines = [_banner("ROCm System Management Interface", 90), _banner("KFD Processes", 90)]
+    if users:
+        lines += ["KFD process information:", "PID\tPROCESS NAME\tGPU(s)\tVRAM USED\tSDMA USED\tCU OCCUPANCY"]
+        lines += [f"{pid}\t{process_name(pid)}\t{count}\t{used}\t0\t0" for pid, (count, used) in users.items()]
+    else:
+        lines.append("No KFD PIDs currently running")
+    lines += ["=" * 90, _banner("End of ROCm SMI Log", 90)]
+    print("\n".join(lines))
+    return 0
+
+
 def rocm_smi(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rocm-smi", add_help=False)
     parser.add_argument("-h", "--help", action="store_true")
@@ -382,11 +406,13 @@ def rocm_smi(argv: list[str]) -> int:
     parser.add_argument("-u", "--showuse", action="store_true")
     parser.add_argument("--showmeminfo", nargs="+", choices=["vram"])
     parser.add_argument("--showproductname", action="store_true")
+    parser.add_argument("--showpids", action="store_true")
     parser.add_argument("--json", action="store_true")
     args, unknown = parser.parse_known_args(argv)
     if unknown or args.help:
         raise UsageError("this rocm-smi (mirage's, answered by the emulated GPUs) takes: no option (Concise "
-                         "Info), -d ID..., --showid, --showuse, --showmeminfo vram, --showproductname and --json"
+                         "Info), -d ID..., --showid, --showuse, --showmeminfo vram, --showproductname, "
+                         "--showpids and --json"
                          + (f"; not {' '.join(unknown)}" if unknown else ""))
     profile = profiles.load(os.environ["MIRAGE_PROFILE"])
     gpus = node_gpus(profile)
@@ -396,6 +422,8 @@ def rocm_smi(argv: list[str]) -> int:
         except (ValueError, IndexError):
             print(f"ERROR: GPU[{args.device[0]}] : Invalid device")
             return 1
+    if args.showpids:
+        return _rocm_pids(gpus, args.json)
     sections = _rocm_sections(profile, gpus, args)
     if args.json:
         cards = {f"card{g.index}": {} for g in gpus}

@@ -62,7 +62,8 @@ if torch.version.cuda:
     })
 else:
     report.update({"concise": run("rocm-smi"), "memory": run("rocm-smi", "--showmeminfo", "vram", "--json"),
-                   "product": run("rocm-smi", "--showproductname", "-d", "1"), "unknown_option": run("rocm-smi", "--showpids"),
+                   "product": run("rocm-smi", "--showproductname", "-d", "1"), "unknown_option": run("rocm-smi", "--showtopo"),
+                   "pids": run("rocm-smi", "--showpids"), "pids_json": run("rocm-smi", "--showpids", "--json"),
                    "amd_list": run("amd-smi", "list", "--json"), "amd_monitor": run("amd-smi", "monitor"),
                    "amd_unknown": run("amd-smi", "static")})
 report["green_context"] = green_context()  # last: it takes memory on cuda:0, which the tools report
