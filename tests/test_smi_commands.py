@@ -49,6 +49,8 @@ def test_nvidia_smi_reports_the_sessions_gpus_memory_and_processes():
     assert report["apps"]["out"].strip() == f"{report['pid']}, {used} MiB, 00000000:02:00.0"
     assert "GPU0\t X \tNV18" in report["topology"]["out"] and "NV#  = Connection traversing" in report["topology"]["out"]
     assert report["driver"] == "570.172.08" and report["green_context_gate"] is True
+    assert report["version"]["out"].splitlines() == ["NVIDIA-SMI version  : 570.172.08", "NVML version        : 570.172",
+                                                     "DRIVER version      : 570.172.08", "CUDA Version        : 12.8"]
 
 
 def test_nvidia_smi_refuses_what_it_does_not_emulate_as_the_tool_does():

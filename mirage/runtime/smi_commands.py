@@ -13,7 +13,8 @@ processes, utilization and the modelled power and temperature) and the profile.
 
 What is printed follows the tools' formats (nvidia-smi of driver R570, the CUDA 12.8 driver
 line; rocm-smi and amd-smi of ROCm 7.0): the default tables, `nvidia-smi -L`, `-i`, `--query-gpu`
-and `--query-compute-apps` with `--format=csv[,noheader][,nounits]`, `-l` (loop), `topo -m`;
+and `--query-compute-apps` with `--format=csv[,noheader][,nounits]`, `-l` (loop), `--version`,
+`topo -m`;
 `rocm-smi` with `--showproductname`, `--showmeminfo vram`, `--showuse`, `--showid`, `--showpids`
 and `--json`;
 `amd-smi list [--json]` and `amd-smi monitor` (its default columns; memory and hotspot
@@ -263,11 +264,16 @@ def nvidia_smi(argv: list[str]) -> int:
     parser.add_argument("--query-compute-apps")
     parser.add_argument("--format")
     parser.add_argument("-l", "--loop", type=int, nargs="?", const=5)  # seconds; nvidia-smi's default 5
+    parser.add_argument("--version", action="store_true")
     args, unknown = parser.parse_known_args(argv)
+    if args.version and not unknown:
+        print(f"NVIDIA-SMI version  : {NVIDIA_DRIVER}\nNVML version        : {NVIDIA_DRIVER.rsplit('.', 1)[0]}\n"
+              f"DRIVER version      : {NVIDIA_DRIVER}\nCUDA Version        : {NVIDIA_DRIVER_CUDA}")
+        return 0
     if unknown or args.help or (args.loop is not None and args.loop < 1):
         raise UsageError("this nvidia-smi (mirage's, answered by the emulated GPUs) takes: no option (the "
                          "table), -L, -i ID, --query-gpu=FIELDS or --query-compute-apps=FIELDS with "
-                         "--format=csv[,noheader][,nounits], -l [SECONDS] and `topo -m`"
+                         "--format=csv[,noheader][,nounits], -l [SECONDS], --version and `topo -m`"
                          + (f"; not {' '.join(unknown)}" if unknown else ""))
     profile = profiles.load(os.environ["MIRAGE_PROFILE"])
     apps = {"pid": ("pid", ""), "process_name": ("process_name", ""), "name": ("process_name", ""),
