@@ -11,18 +11,15 @@ NVIDIA box has no rocm-smi and an AMD one no nvidia-smi) and they answer from th
 service's status (what `mirage smi` prints: memory in use on each GPU by every process, the
 processes, utilization and the modelled power and temperature) and the profile.
 
-What is printed follows the tools' formats (nvidia-smi of driver R570, the CUDA 12.8 driver
-line; rocm-smi and amd-smi of ROCm 7.0): the default tables, `nvidia-smi -L`, `-i`, `--query-gpu`
-and `--query-compute-apps` with `--format=csv[,noheader][,nounits]`, `-l` (loop), `--version`,
-`topo -m`;
-`rocm-smi` with `--showproductname`, `--showmeminfo vram`, `--showuse`, `--showid`, `--showpids`
-and `--json`;
-`amd-smi list [--json]` and `amd-smi monitor` (its default columns; memory and hotspot
-temperature both the one model's). An option a tool has and this one does not is refused
-(exit 2) with a line naming what is emulated. The
-GPUs are the node's, whatever CUDA_VISIBLE_DEVICES says (the tools read the driver, not the
-runtime's view). memory.total is torch's total_memory: a real nvidia-smi shows a few hundred
-MiB more, the driver's reserve.
+What is printed follows the tools' formats (nvidia-smi of driver R570, the CUDA 12.8 driver line;
+rocm-smi and amd-smi of ROCm 7.0): the default tables, `nvidia-smi -L`, `-i`, `--query-gpu` and
+`--query-compute-apps` with `--format=csv[,noheader][,nounits]`, `-l` (loop), `--version`, `topo
+-m`; `rocm-smi` with `--showproductname`, `--showmeminfo vram`, `--showuse`, `--showid`,
+`--showpids` and `--json`; `amd-smi list [--json]` and `amd-smi monitor` (its default columns;
+memory and hotspot temperature both the one model's). An option a tool has and this one does not is
+refused (exit 2) with a line naming what is emulated. The GPUs are the node's, whatever
+CUDA_VISIBLE_DEVICES says (the tools read the driver, not the runtime's view). memory.total is
+torch's total_memory: a real nvidia-smi shows a few hundred MiB more, the driver's reserve.
 """
 
 from __future__ import annotations
