@@ -13,8 +13,8 @@ processes, utilization and the modelled power and temperature) and the profile.
 
 What is printed follows the tools' formats (nvidia-smi of driver R570, the CUDA 12.8 driver line;
 rocm-smi and amd-smi of ROCm 7.0): the default tables, `nvidia-smi -L`, `-i`, `--query-gpu` and
-`--query-compute-apps` with `--format=csv[,noheader][,nounits]`, `-l` (loop), `--version`, `topo
--m`; `rocm-smi` with `--showproductname`, `--showmeminfo vram`, `--showuse`, `--showid`,
+`--query-compute-apps` with `--format=csv[,noheader][,nounits]`, `-l` (loop), `--version`,
+`topo -m`; `rocm-smi` with `--showproductname`, `--showmeminfo vram`, `--showuse`, `--showid`,
 `--showpids` and `--json`; `amd-smi list [--json]` and `amd-smi monitor` (its default columns;
 memory and hotspot temperature both the one model's). An option a tool has and this one does not is
 refused (exit 2) with a line naming what is emulated. The GPUs are the node's, whatever
