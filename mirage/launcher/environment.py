@@ -11,6 +11,7 @@ tools (mirage/runtime/smi_commands.py) come first on PATH, as the driver's are o
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -71,5 +72,11 @@ def build(
     # `python` in the command means the interpreter whose torch mirage checked and built for.
     _prepend(env, "PATH", str(Path(sys.executable).parent))
     if "MIRAGE_PROFILE" in emulator:
-        _prepend(env, "PATH", str(SMI_BIN_DIR / profiles.load(emulator["MIRAGE_PROFILE"]).vendor))
+        _prepend(env, "PATH", _smi_dir(emulator["MIRAGE_PROFILE"]))
     return env
+
+
+@functools.cache  # one read of the profile per run, not one per process it starts
+def _smi_dir(profile_path: str) -> str:
+    """The folder of the smi tools of the profile's vendor."""
+    return str(SMI_BIN_DIR / profiles.load(profile_path).vendor)

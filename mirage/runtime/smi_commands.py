@@ -35,7 +35,7 @@ from pathlib import Path
 
 from mirage import profiles
 from mirage.daemon.service import request
-from mirage.runtime.visible_devices import gpu_uuid
+from mirage.runtime.visible_devices import gpu_uuid, pci_bus
 
 # The driver an R570 box runs (the branch whose "CUDA Version" is 12.8, which cu128 wheels need).
 NVIDIA_DRIVER = "570.172.08"
@@ -61,7 +61,7 @@ class Gpu:
 
     @property
     def bus_id(self) -> str:
-        return f"00000000:{self.index + 1:02X}:00.0"  # torch's pci_bus_id is index + 1
+        return f"00000000:{pci_bus(self.index):02X}:00.0"
 
 
 def node_gpus(profile: profiles.Profile) -> list[Gpu]:
@@ -462,7 +462,7 @@ _AMD_MONITOR_COLUMNS = [("GPU", 3), ("XCP", 3), ("POWER", 5), ("GPU_T", 6), ("ME
 
 
 def _amd_bdf(gpu: Gpu) -> str:
-    return f"0000:{gpu.index + 1:02x}:00.0"
+    return f"0000:{pci_bus(gpu.index):02x}:00.0"
 
 
 def amd_smi(argv: list[str]) -> int:

@@ -43,7 +43,7 @@ class DeviceProperties:
         self.clock_rate = int(profile.clock_ghz * 1e6)  # kHz, as CUDA reports it
         self.gcnArchName = profile.gcn_arch_name
         self.uuid = visible_devices.gpu_uuid(node_gpu, int(os.environ.get("MIRAGE_NODE_RANK", "0")))
-        self.pci_bus_id = node_gpu + 1
+        self.pci_bus_id = visible_devices.pci_bus(node_gpu)
         self.pci_device_id = 0
         self.pci_domain_id = 0
 

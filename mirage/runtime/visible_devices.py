@@ -34,6 +34,11 @@ def gpu_uuid(node_gpu: int, node: int) -> str:
     return str(uuid.uuid5(_UUID_NAMESPACE, f"node{node}/gpu{node_gpu}"))
 
 
+def pci_bus(node_gpu: int) -> int:
+    """The PCI bus of a node's GPU: torch's pci_bus_id, nvidia-smi's Bus-Id, amd-smi's BDF."""
+    return node_gpu + 1
+
+
 def _lookup(entry: str, candidates: list[int], node: int) -> int | None:
     """The candidate an entry names (an index into `candidates` or a UUID), else None."""
     entry = entry.strip()

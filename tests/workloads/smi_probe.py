@@ -56,7 +56,7 @@ if torch.version.cuda:
         "unknown_option": run("nvidia-smi", "-q"), "unknown_field": run("nvidia-smi", "--query-gpu=bogus",
                                                                         "--format=csv"),
         "missing_gpu": run("nvidia-smi", "-i", "7", "-L"), "version": run("nvidia-smi", "--version"),
-        "loop": run("timeout", "3.5", "nvidia-smi", "--query-gpu=index", "--format=csv", "-i", "0", "-l", "1"),
+        "loop": run("timeout", "4.5", "nvidia-smi", "--query-gpu=index", "--format=csv", "-i", "0", "-l", "1"),
         "driver": collect_env.get_nvidia_driver_version(collect_env.run),
         "green_context_gate": bool(PLATFORM_SUPPORTS_GREEN_CONTEXT),
     })
