@@ -87,8 +87,10 @@ def test_events_time_kernels_by_the_profiles_model(name, n, predict_only):
 def test_fused_attention_runs_at_the_profiles_attention_efficiencies(tmp_path):
     """The flash kernel's forward at attention_efficiency; its backward, 2.5x the forward's FLOPs
     (the scores recomputed), at attention_backward_efficiency (FlashAttention-2's backward is
-    slower than its forward, docs/validation.md). The forward is timed with events; the backward
-    kernel on the trace (the events around backward() also hold the gradients' copies)."""
+    slower than its forward, docs/validation.md); being causal, both at attention_causal_factor of
+    those rates (FlashAttention-2's causal kernels compute their blocks slower than non-causal
+    ones). The forward is timed with events; the backward kernel on the trace (the events around
+    backward() also hold the gradients' copies)."""
     trace = tmp_path / "trace.json"
     run = mirage("run", "--quiet", "--timing", "--trace", str(trace), "--profile", "h100", "--gpus-per-node", "1",
                  "--", sys.executable, str(WORKLOAD), "attention")
@@ -97,8 +99,9 @@ def test_fused_attention_runs_at_the_profiles_attention_efficiencies(tmp_path):
     b, h, s, d = 2, 8, 1024, 128
     rows = s // m["attention_block_rows"]
     # causal: the fused kernel skips the blocks above the diagonal, and computes whole the blocks
-    # of rows the diagonal crosses: (rows + 1) / 2 rows' worth of rows x s scores
-    flops = 4 * b * h * s * s * d * (rows + 1) / (2 * rows)
+    # of rows the diagonal crosses: (rows + 1) / 2 rows' worth of rows x s scores, each block at
+    # the causal factor of a non-causal kernel's rate
+    flops = 4 * b * h * s * s * d * (rows + 1) / (2 * rows) / m["attention_causal_factor"]
     backward = [e["dur"] / 1e3 for e in json.loads(trace.read_text())["traceEvents"]
                 if e.get("ph") == "X" and e["name"] == "aten::_scaled_dot_product_flash_attention_backward"]
     timed = {"forward": last_json(run.stdout)["attention_ms"], "backward": backward[0] if len(backward) == 1 else None}

@@ -138,6 +138,8 @@ TIMING_KEYS: dict[str, str] = {
     "gemm_efficiency_fp8": "the fraction of the FP8 peak large FP8 GEMMs reach",
     "attention_efficiency": "the fraction of the dtype's peak fused (flash) attention kernels reach",
     "attention_backward_efficiency": "the same for fused attention's backward kernel (2.5x its forward's FLOPs)",
+    "attention_causal_factor": "a causal fused attention kernel's rate per block of scores it computes, over a "
+                               "non-causal kernel's (the diagonal blocks' masking, query blocks of unequal work)",
     "attention_block_rows": "query rows a fused attention kernel computes together (a causal kernel computes "
                             "whole the blocks its diagonal crosses)",
     "gemm_tile_m": "GEMM output tile rows (wave quantisation)",

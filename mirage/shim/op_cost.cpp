@@ -110,6 +110,7 @@ CostModel load_model() {
   m.gemm_efficiency_fp8 = need(p, "gemm_efficiency_fp8");
   m.attention_efficiency = need(p, "attention_efficiency");
   m.attention_backward_efficiency = need(p, "attention_backward_efficiency");
+  m.attention_causal_factor = need(p, "attention_causal_factor");
   m.attention_block_rows = static_cast<int64_t>(need(p, "attention_block_rows"));
   m.tile_m = static_cast<int64_t>(need(p, "gemm_tile_m"));
   m.tile_n = static_cast<int64_t>(need(p, "gemm_tile_n"));
@@ -364,11 +365,15 @@ GemmShape gemm_shape(const c10::FunctionSchema& schema, const std::vector<c10::I
   return {output_tiles(cost_model(), batch, out.size(-2), out.size(-1)), a.size(-1)};
 }
 
-double causal_work(int64_t seq_q, int64_t seq_k) {
-  const int64_t block = cost_model().attention_block_rows;
-  if (seq_q != seq_k || seq_q <= 0 || block <= 0) return 0.5;
-  const double rows = static_cast<double>((seq_q + block - 1) / block);
-  return (rows + 1) / (2 * rows);
+double causal_share(int64_t seq_q, int64_t seq_k) {
+  const CostModel& m = cost_model();
+  const int64_t block = m.attention_block_rows;
+  double work = 0.5;
+  if (seq_q == seq_k && seq_q > 0 && block > 0) {
+    const double rows = static_cast<double>((seq_q + block - 1) / block);
+    work = (rows + 1) / (2 * rows);
+  }
+  return work / m.attention_causal_factor;
 }
 
 void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs,
@@ -389,7 +394,7 @@ void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs
   const c10::OperatorHandle handle = c10::Dispatcher::singleton().findSchemaOrThrow(op, "");
   const double counted = has_flop_formula(handle.schema()) ? flop_count(handle, args, results.data(), results.size()) : 0;
   const double flops = causal ? counted / 2 : counted;  // the model's FLOPs (MFU); the time follows the work done
-  const double work = causal ? counted * causal_work(seq_q, seq_k) : counted;
+  const double work = causal ? counted * causal_share(seq_q, seq_k) : counted;  // at a non-causal kernel's rate
   const KernelCost cost = kernel_cost(work, bytes, first.scalar_type(), {}, kind);
   run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, handle.schema().name().c_str(), bytes, flops, &cost.beside,
                 first.scalar_type());
@@ -481,12 +486,12 @@ MIRAGE_LIBRARY(m) {
   // Fused attention over batch x heads x seq x head_dim: its forward (4 x b x h x s^2 x d FLOPs,
   // reading q, k, v and writing the output), or its backward (2.5 x those FLOPs, with the scores'
   // recomputation; reading q, k, v, the output and its gradient, writing three gradients); a
-  // causal kernel does causal_work of them.
+  // causal kernel takes causal_share of their time.
   m.def("clock_predict_attention_ns(int batch, int heads, int seq, int head_dim, bool causal, ScalarType dtype, "
         "bool backward=False) -> int",
         [](int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, bool causal, c10::ScalarType dtype,
            bool backward) -> int64_t {
-          const double forward = 4.0 * batch * heads * seq * seq * head_dim * (causal ? mirage::causal_work(seq, seq) : 1.0);
+          const double forward = 4.0 * batch * heads * seq * seq * head_dim * (causal ? mirage::causal_share(seq, seq) : 1.0);
           const int64_t tensor = batch * heads * seq * head_dim * static_cast<int64_t>(c10::elementSize(dtype));
           return backward ? mirage::kernel_cost(2.5 * forward, 8 * tensor, dtype, {}, mirage::ComputeKind::kAttentionBackward).ns
                           : mirage::kernel_cost(forward, 4 * tensor, dtype, {}, mirage::ComputeKind::kAttention).ns;

@@ -44,6 +44,7 @@ struct CostModel {
   double gemm_efficiency_fp8;     // the same for FP8 GEMMs (a smaller fraction of a larger peak)
   double attention_efficiency;    // the fraction of peak fused attention reaches (softmax between its GEMMs)
   double attention_backward_efficiency;  // the same for its backward kernel
+  double attention_causal_factor; // a causal kernel's rate per block it computes, over a non-causal one's
   int64_t attention_block_rows;   // query rows a fused attention kernel computes together
   int64_t tile_m, tile_n, compute_units;
   double gemm_epilogue_share;     // the part of a wave's output store not hidden behind its main loop
@@ -167,17 +168,20 @@ double flop_count(const c10::OperatorHandle& op, const std::vector<c10::IValue>&
 GemmShape gemm_shape(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
                      const c10::IValue* results, size_t num_results);
 
-// The share of a full attention's work a causal fused kernel does over `seq_q` x `seq_k`: it skips
-// the blocks above the diagonal but computes whole the blocks of attention_block_rows query rows
-// the diagonal crosses, (r + 1) / 2r of the work for r blocks of rows (FlashAttention-2's
-// 128-row blocks: 5/8 at 512 tokens, 129/256 at 16k). Queries and keys of different lengths: 1/2.
-double causal_work(int64_t seq_q, int64_t seq_k);
+// The share of a full (non-causal) attention's time a causal fused kernel takes over `seq_q` x
+// `seq_k`: it skips the blocks above the diagonal but computes whole the blocks of
+// attention_block_rows query rows the diagonal crosses, (r + 1) / 2r of the work for r blocks of
+// rows (FlashAttention-2's 128-row blocks: 5/8 at 512 tokens, 129/256 at 16k; queries and keys of
+// different lengths: 1/2), and computes them at attention_causal_factor of a non-causal kernel's
+// rate (the diagonal blocks' masking, query blocks of unequal work).
+double causal_share(int64_t seq_q, int64_t seq_k);
 
 // A fused kernel written over ATen (flash attention): its place on the timeline as one kernel,
 // FLOPs from `op`'s formula over its leading tensor arguments, halved for causal attention (the
-// fused kernels skip the masked half; torch's formula counts it), its time from the work a causal
-// kernel does over `seq_q` query and `seq_k` key positions (causal_work). Call with a KernelScope
-// held around the kernel's ATen work, and only when that scope is the outermost.
+// fused kernels skip the masked half; torch's formula counts it), its time the share of a
+// non-causal kernel's a causal one takes over `seq_q` query and `seq_k` key positions
+// (causal_share). Call with a KernelScope held around the kernel's ATen work, and only when that
+// scope is the outermost.
 void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs,
                         std::initializer_list<at::Tensor> outputs, bool causal, int64_t seq_q, int64_t seq_k,
                         ComputeKind kind);
