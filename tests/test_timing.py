@@ -355,6 +355,17 @@ def test_virtual_clock_makes_the_programs_own_timer_report_the_prediction():
     assert measured["host_s"] * 1e3 == pytest.approx(5 * measured["gemm_ms"], rel=0.02)
 
 
+def test_only_the_programs_own_sleep_moves_the_virtual_clock():
+    """The program's time.sleep advances its predicted clock; a background thread's (a monitor, a
+    timer of inductor's compile pool) does not, though the program really waited for it."""
+    run = mirage("run", "--quiet", "--timing", "--virtual-clock", "--profile", "h100", "--gpus-per-node", "1", "--",
+                 sys.executable, str(WORKLOAD), "sleeps")
+    assert run.returncode == 0, run.stderr
+    measured = last_json(run.stdout)
+    assert measured["own_sleep_s"] == pytest.approx(0.2, abs=0.01)
+    assert measured["beside_thread_s"] < 0.05
+
+
 def test_a_collective_starts_when_the_last_rank_reaches_it():
     run = mirage("run", "--quiet", "--timing", "--profile", "h100", "--gpus-per-node", "2", "--nproc-per-node", "2",
                  "--", sys.executable, str(WORKLOAD), "straggler")

@@ -6,7 +6,7 @@ FLOPs through the operator mirage::flop_count, implemented here); the steps of t
 end of each optimizer step, or of each `torch.cuda.nvtx.mark("mirage.step")` once a program
 makes one); NVTX ranges on the host's predicted clock for the trace; with --virtual-clock,
 `time.time` / `perf_counter` / `monotonic` (and their _ns forms) following the predicted host
-clock, `time.sleep` advancing it; and at exit, this process's steps (and with --trace its
+clock, the program thread's `time.sleep` advancing it; and at exit, this process's steps (and with --trace its
 timeline) written for the launcher's report (mirage/launcher/timing_report.py).
 
 Environment read: MIRAGE_TIMING (on), MIRAGE_TIMING_DIR (where reports go), MIRAGE_TRACE,
@@ -121,11 +121,16 @@ def _is_torchrun_agent() -> bool:
 
 
 def _install_virtual_clock() -> None:
-    """time.time / perf_counter / monotonic follow the predicted host clock from now on; sleep
-    advances it (and really sleeps, so that other processes make progress)."""
+    """time.time / perf_counter / monotonic follow the predicted host clock from now on; the
+    program's own sleep advances it (and really sleeps, so that other processes make progress).
+    The predicted host clock is the program's thread's (this one, at start-up): a background
+    thread's sleep (tqdm's monitor, inductor's compile-pool timer, a heartbeat) waits in real
+    time without moving it, as it does not delay the program on a GPU box. Such a thread had put
+    its 30-60 s of sleep into whichever step it fell in (a torchtitan step predicted at 31 s)."""
     host_ns = _torch.ops.mirage.clock_host_ns
     advance = _torch.ops.mirage.clock_host_advance
     real_sleep = time.sleep
+    program_thread = threading.current_thread()
     wall0, perf0, mono0 = time.time_ns(), time.perf_counter_ns(), time.monotonic_ns()
     start = host_ns()
 
@@ -134,7 +139,8 @@ def _install_virtual_clock() -> None:
 
     def sleep(seconds: float) -> None:
         real_sleep(seconds)
-        advance(int(seconds * 1e9))
+        if threading.current_thread() is program_thread:
+            advance(int(seconds * 1e9))
 
     time.time = lambda: (wall0 + elapsed()) / 1e9
     time.time_ns = lambda: wall0 + elapsed()

@@ -434,6 +434,21 @@ def graph() -> None:
     print(json.dumps(times))
 
 
+def sleeps() -> None:
+    """Under --virtual-clock: the program's own sleep, then a background thread's sleep while the
+    program waits for it, each as the program's perf_counter sees it."""
+    import threading
+
+    began = time.perf_counter()
+    time.sleep(0.2)
+    own = time.perf_counter() - began
+    monitor = threading.Thread(target=time.sleep, args=(1.0,))  # as tqdm's monitor or a compile pool's timer
+    began = time.perf_counter()
+    monitor.start()
+    monitor.join()
+    print(json.dumps({"own_sleep_s": own, "beside_thread_s": time.perf_counter() - began}))
+
+
 def compiled() -> None:
     """A compiled elementwise graph over a 512 MiB tensor (compiled for dynamic shapes on a small
     one first): its predicted time, the peak memory, and how much of the process's resident memory
@@ -491,4 +506,4 @@ def compiled_kernels() -> None:
     print(json.dumps(times))
 
 
-{"gemm": gemm, "compiled": compiled, "compiled_kernels": compiled_kernels, "attention": attention, "flex": flex, "inplace": inplace, "general": general, "norm_backward": norm_backward, "nll_loss": nll_loss, "softmax_rows": softmax_rows, "fused_loss": fused_loss, "fused": fused, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph}[MODE]()
+{"gemm": gemm, "compiled": compiled, "compiled_kernels": compiled_kernels, "attention": attention, "flex": flex, "inplace": inplace, "general": general, "norm_backward": norm_backward, "nll_loss": nll_loss, "softmax_rows": softmax_rows, "fused_loss": fused_loss, "fused": fused, "straggler": straggler, "overlap": overlap, "allreduce": allreduce, "phantom": phantom, "steps": steps, "pipeline": pipeline, "graph": graph, "sleeps": sleeps}[MODE]()
