@@ -11,6 +11,8 @@ flat parameters, BACKWARD_POST prefetch, limit_all_gathers) or FSDP2 (--fsdp), w
 mixed precision modes (--mp DEFAULT: bf16 parameters, fp32 gradient reductions, as llm-foundry's
 benchmarking table ran; PURE: bf16 both). The loss: eager PyTorch's cross entropy over the bf16
 logits, or (--fused-loss) the fused kernels llm-foundry's runs took it with (FusedCrossEntropy).
+The attention: PyTorch's scaled_dot_product_attention (FlashAttention-2's kernels), or
+(--attn-impl triton) llm-foundry's Triton FlashAttention, which its MPT runs took (TritonFlashAttention).
 Prints one JSON line from rank 0: the median step time its own CUDA events measured and the
 tokens per second per GPU.
 
@@ -25,18 +27,64 @@ import argparse
 import json
 import os
 import statistics
+import tomllib
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from one_kernel import one_kernel
+from one_kernel import attention_at_rate, one_kernel
 from torch import nn
+
+FLASH_ATTENTION_FIGURES = Path(__file__).with_name("flash_attention_figures.toml")
+
+
+def triton_flash_attention_rate(gpu_name: str, head_dim: int, seq: int) -> float:
+    """The speed of llm-foundry's Triton FlashAttention kernel (causal, forward + backward) over
+    FlashAttention-2's on this GPU at this shape: FlashAttention v1's measured rate over
+    FlashAttention-2's, side by side in FlashAttention-2's release figures, v1 being what the
+    kernel's own notes say it is slightly slower than (bench/flash_attention_figures.toml)."""
+    table = tomllib.loads(FLASH_ATTENTION_FIGURES.read_text())
+    gpu = next((name for name in ("a100", "h100") if name in gpu_name.lower()), None)
+    for figure in table["figure"]:
+        if (figure["gpu"], figure["causal"], figure["head_dim"]) == (gpu, True, head_dim) and seq in table["seqs"]:
+            v1, v2 = (figure[key][table["seqs"].index(seq)] for key in ("flash_attention", "flash_attention_2"))
+            if v1 and v2:
+                return v1 / v2
+    raise SystemExit(f"e2e_gpt.py: --attn-impl triton has no published figure of FlashAttention v1 beside "
+                     f"FlashAttention-2 for {gpu_name}, head dim {head_dim}, seq {seq} (causal); "
+                     f"{FLASH_ATTENTION_FIGURES.name} has A100 and H100 at head dims 64 and 128, seq 512 to 16384")
+
+
+class TritonFlashAttention(torch.autograd.Function):
+    """Causal attention as llm-foundry's MPT runs computed it (`attn_impl: triton`): Tri Dao's
+    pre-MLIR Triton FlashAttention kernel (llmfoundry/models/layers/flash_attn_triton.py), one
+    forward kernel and one backward kernel doing FlashAttention's work. It cannot run without a
+    GPU, so it is computed by scaled_dot_product_attention, whose flash kernels clocked mode times
+    as FlashAttention-2's, at `rate` of their speed (one_kernel.attention_at_rate); off mirage it
+    is scaled_dot_product_attention itself."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rate: float) -> torch.Tensor:
+        ctx.inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        with torch.enable_grad(), attention_at_rate(rate):
+            ctx.out = F.scaled_dot_product_attention(*ctx.inputs, is_causal=True)
+        ctx.rate = rate
+        return ctx.out.detach()
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        with attention_at_rate(ctx.rate):
+            torch.autograd.backward(ctx.out, grad_out)
+        grads = tuple(t.grad for t in ctx.inputs)
+        ctx.inputs = ctx.out = None  # what the kernel saved, freed as autograd frees saved tensors
+        return (*grads, None)
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, triton_rate: float | None = None) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.triton_rate = heads, triton_rate
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
@@ -45,7 +93,11 @@ class Block(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        if self.triton_rate is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = TritonFlashAttention.apply(q, k, v, self.triton_rate)
+        y = y.transpose(1, 2).reshape(b, t, d)
         x = x + self.proj(y)
         return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
@@ -93,11 +145,12 @@ class FusedCrossEntropy(torch.autograd.Function):
 
 
 class GPT(nn.Module):
-    def __init__(self, layers: int, dim: int, heads: int, vocab: int, seq: int, fused_loss: bool = False) -> None:
+    def __init__(self, layers: int, dim: int, heads: int, vocab: int, seq: int, fused_loss: bool = False,
+                 triton_rate: float | None = None) -> None:
         super().__init__()
         self.fused_loss = fused_loss
         self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, triton_rate) for _ in range(layers))
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.wte.weight
@@ -135,6 +188,9 @@ def main() -> None:
     ap.add_argument("--fused-loss", action="store_true",
                     help="the loss by flash-attn's fused cross-entropy kernels, as llm-foundry's runs took it "
                          "(`loss_fn: fused_crossentropy`), not eager PyTorch's log_softmax and nll_loss")
+    ap.add_argument("--attn-impl", choices=("sdpa", "triton"), default="sdpa",
+                    help="the attention kernels: PyTorch's scaled_dot_product_attention, or llm-foundry's Triton "
+                         "FlashAttention, which its MPT runs took (`attn_impl: triton`), at its published speed")
     ap.add_argument("--mp", choices=("DEFAULT", "PURE"), default="DEFAULT",
                     help="with --fsdp or --fsdp1, Composer's mixed precision: DEFAULT = bf16 parameters, fp32 "
                          "reductions; PURE = bf16 parameters and reductions")
@@ -142,13 +198,17 @@ def main() -> None:
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    triton_rate = None
+    if args.attn_impl == "triton":
+        triton_rate = triton_flash_attention_rate(torch.cuda.get_device_name(), args.dim // args.heads, args.seq)
+    gpt_args = (args.layers, args.dim, args.heads, args.vocab, args.seq, args.fused_loss, triton_rate)
     if args.fsdp1:
         from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         with torch.device("meta"):
-            model = GPT(args.layers, args.dim, args.heads, args.vocab, args.seq, args.fused_loss)
+            model = GPT(*gpt_args)
         reduce_dtype = torch.float32 if args.mp == "DEFAULT" else torch.bfloat16
         precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype, buffer_dtype=torch.bfloat16)
 
@@ -166,7 +226,7 @@ def main() -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         with torch.device("meta"):
-            model = GPT(args.layers, args.dim, args.heads, args.vocab, args.seq, args.fused_loss)
+            model = GPT(*gpt_args)
         reduce_dtype = torch.float32 if args.mp == "DEFAULT" else torch.bfloat16
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
         for block in model.blocks:
@@ -178,7 +238,7 @@ def main() -> None:
                 p.to_local().normal_(std=0.02)  # each rank its shard
         ddp = model
     else:
-        model = GPT(args.layers, args.dim, args.heads, args.vocab, args.seq, args.fused_loss).cuda()
+        model = GPT(*gpt_args).cuda()
         ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, weight_decay=0.1)
     idx = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")

@@ -1,5 +1,6 @@
 """A CUDA kernel that a benchmark's workload computes as several PyTorch ops, timed as the one
-kernel it is under mirage's clocked mode.
+kernel it is under mirage's clocked mode; and an attention kernel of another implementation than
+the one clocked mode models, timed at its published speed (attention_at_rate).
 
 Stand-ins for compiled CUDA extensions (Megatron's fused softmax, bench/megatron_extensions;
 flash-attn's fused cross entropy, bench/e2e_gpt.py) compute their results with PyTorch ops inside
@@ -33,3 +34,18 @@ def one_kernel(name: str, device: torch.device, bytes_moved: int, dtype: torch.d
         yield
     finally:
         torch.ops.mirage.fused_kernel_end_named(name, device.index, bytes_moved, dtype)
+
+
+@contextlib.contextmanager
+def attention_at_rate(rate: float) -> Iterator[None]:
+    """Times the fused attention kernels placed inside as another implementation's, which runs
+    at `rate` times the speed of the kernel clocked mode models (FlashAttention-2), `rate` being
+    what a publication measured the two at side by side (clocked mode only)."""
+    if not _clocked():
+        yield
+        return
+    torch.ops.mirage.attention_rate_begin(rate)
+    try:
+        yield
+    finally:
+        torch.ops.mirage.attention_rate_end()

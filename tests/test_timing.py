@@ -84,16 +84,20 @@ def test_events_time_kernels_by_the_profiles_model(name, n, predict_only):
     assert "predicted timing on " + name in run.stderr
 
 
-def test_fused_attention_runs_at_the_profiles_attention_efficiencies(tmp_path):
+@pytest.mark.parametrize("rate", [1.0, 0.5])
+def test_fused_attention_runs_at_the_profiles_attention_efficiencies(tmp_path, rate):
     """The flash kernel's forward at attention_efficiency; its backward, 2.5x the forward's FLOPs
     (the scores recomputed), at attention_backward_efficiency (FlashAttention-2's backward is
     slower than its forward, docs/validation.md); being causal, both at attention_causal_factor of
     those rates (FlashAttention-2's causal kernels compute their blocks slower than non-causal
     ones). The forward is timed with events; the backward kernel on the trace (the events around
-    backward() also hold the gradients' copies)."""
+    backward() also hold the gradients' copies). Between attention_rate_begin(rate) and
+    attention_rate_end, a benchmark's stand-in for another implementation (bench/e2e_gpt.py's
+    --attn-impl triton), both compute at `rate` of those speeds; a second rate before the first
+    ends, and a rate that is not positive, are refused."""
     trace = tmp_path / "trace.json"
     run = mirage("run", "--quiet", "--timing", "--trace", str(trace), "--profile", "h100", "--gpus-per-node", "1",
-                 "--", sys.executable, str(WORKLOAD), "attention")
+                 "--", sys.executable, str(WORKLOAD), "attention", env={"ATTENTION_RATE": str(rate)})
     assert run.returncode == 0, run.stderr
     m = model("h100")
     b, h, s, d = 2, 8, 1024, 128
@@ -107,8 +111,14 @@ def test_fused_attention_runs_at_the_profiles_attention_efficiencies(tmp_path):
     timed = {"forward": last_json(run.stdout)["attention_ms"], "backward": backward[0] if len(backward) == 1 else None}
     for key, work, efficiency in (("forward", flops, "attention_efficiency"),
                                   ("backward", 2.5 * flops, "attention_backward_efficiency")):
-        compute_ns = work / (m["peak_tflops.bf16"] * 1e3 * m[efficiency])
+        compute_ns = work / (m["peak_tflops.bf16"] * 1e3 * m[efficiency] * rate)
         assert timed[key] == pytest.approx((compute_ns + m["kernel_overhead_us"] * 1e3) / 1e6, rel=1e-2), key
+    refused = last_json(run.stdout)["refused"]
+    if rate == 1:
+        assert refused == []
+    else:
+        assert len(refused) == 3 and "already set" in refused[0], refused
+        assert all("must be a positive number" in message for message in refused[1:]), refused
 
 
 def test_a_norms_backward_is_two_kernels_that_each_read_the_gradient_and_the_input():

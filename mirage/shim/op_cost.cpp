@@ -376,6 +376,11 @@ double causal_share(int64_t seq_q, int64_t seq_k) {
   return work / m.attention_causal_factor;
 }
 
+// How fast the fused attention kernels this thread places now are against the implementation the
+// profile's attention figures describe (FlashAttention-2): 1, or, between attention_rate_begin and
+// attention_rate_end, what a benchmark's stand-in for another implementation measured it at.
+static thread_local double tl_attention_rate = 1.0;
+
 void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs,
                         std::initializer_list<at::Tensor> outputs, bool causal, int64_t seq_q, int64_t seq_k,
                         ComputeKind kind) {
@@ -395,7 +400,7 @@ void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs
   const double counted = has_flop_formula(handle.schema()) ? flop_count(handle, args, results.data(), results.size()) : 0;
   const double flops = causal ? counted / 2 : counted;  // the model's FLOPs (MFU); the time follows the work done
   const double work = causal ? counted * causal_share(seq_q, seq_k) : counted;  // at a non-causal kernel's rate
-  const KernelCost cost = kernel_cost(work, bytes, first.scalar_type(), {}, kind);
+  const KernelCost cost = kernel_cost(work / tl_attention_rate, bytes, first.scalar_type(), {}, kind);
   run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, handle.schema().name().c_str(), bytes, flops, &cost.beside,
                 first.scalar_type());
 }
@@ -522,6 +527,18 @@ MIRAGE_LIBRARY(m) {
   // A GPU kernel that mirage runs as many ops (FlexAttention's block-sparse implementation,
   // mirage/runtime/flex_attention.py): between begin and end its ops are not timed alone, and end
   // places one attention kernel of `flops` (the blocks it visits) and `bytes` on the current stream.
+  // A benchmark's stand-in for an attention implementation other than the one the profile's
+  // figures describe (bench/e2e_gpt.py's --attn-impl triton): the fused attention kernels this
+  // thread places until attention_rate_end do their work at `rate` times the modelled kernel's
+  // speed, `rate` being what a publication measured the two implementations at, side by side.
+  m.def("attention_rate_begin(float rate) -> ()", [](double rate) {
+    TORCH_CHECK(rate > 0 && std::isfinite(rate), "attention_rate_begin: the rate must be a positive number, got ",
+                rate);
+    TORCH_CHECK(mirage::tl_attention_rate == 1.0, "attention_rate_begin: a rate is already set on this thread; "
+                "end it with attention_rate_end first");
+    mirage::tl_attention_rate = rate;
+  });
+  m.def("attention_rate_end() -> ()", []() { mirage::tl_attention_rate = 1.0; });
   m.def("fused_kernel_begin() -> ()", []() { ++mirage::tl_kernel_depth; });
   m.def("fused_kernel_end(int kernel, int device, int bytes, float flops, ScalarType dtype) -> ()",
         [](int64_t kernel, int64_t device, int64_t bytes, double flops, c10::ScalarType dtype) {

@@ -37,17 +37,30 @@ def gemm() -> None:
 
 def attention() -> None:
     """A causal bf16 scaled_dot_product_attention (flash backend), its forward timed with events,
-    then its backward."""
+    then its backward; with ATTENTION_RATE, both as another implementation's kernels at that rate
+    (torch.ops.mirage.attention_rate_begin, as bench/e2e_gpt.py's stand-ins time them), then the
+    refusals of a rate that is not positive and of a second rate before the first ends."""
+    rate = float(os.environ.get("ATTENTION_RATE", "1"))
     q, k, v = (torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     grad = torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if rate != 1:
+        torch.ops.mirage.attention_rate_begin(rate)
     start.record()
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     end.record()
     out.backward(grad)
+    refused = []
+    if rate != 1:
+        for bad in (rate, 0.0, -1.0):  # a second rate while one is set; then, after its end, bad rates
+            try:
+                torch.ops.mirage.attention_rate_begin(bad)
+            except RuntimeError as e:
+                refused.append(str(e).splitlines()[0])
+            torch.ops.mirage.attention_rate_end()
     torch.cuda.synchronize()
-    print(json.dumps({"attention_ms": start.elapsed_time(end)}))
+    print(json.dumps({"attention_ms": start.elapsed_time(end), "refused": refused}))
 
 
 def flex() -> None:
