@@ -142,6 +142,14 @@ TIMING_KEYS: dict[str, str] = {
                                "non-causal kernel's (the diagonal blocks' masking, query blocks of unequal work)",
     "attention_block_rows": "query rows a fused attention kernel computes together (a causal kernel computes "
                             "whole the blocks its diagonal crosses)",
+    "attention_block_overhead": "a fused attention kernel's fixed work per block of query rows (loading it, "
+                                "rescaling and writing its output), in steps of attention_block_rows keys: a block "
+                                "that sweeps n steps takes the time of n + this",
+    "attention_backward_block_overhead": "the same for fused attention's backward kernel",
+    "attention_softmax_head_dims": "a fused attention kernel's work per score besides its two matmuls (exponential, "
+                                   "row maximum, rescaling), in head dims of matmul work: at head dim d it takes "
+                                   "(1 + this / d) / (1 + this / 128) of the time at head dim 128, where the "
+                                   "efficiencies are measured",
     "gemm_tile_m": "GEMM output tile rows (wave quantisation)",
     "gemm_tile_n": "GEMM output tile columns (wave quantisation)",
     "gemm_epilogue_share": "the share of a GEMM wave's output store (its tiles at the HBM bandwidth) not hidden "

@@ -205,14 +205,15 @@ _FORWARD_KERNEL, _BACKWARD_KERNEL = 0, 1  # the shim's names for them (op_cost.c
 _BACKWARD_FLOPS = 2.5  # the backward's FLOPs over the forward's: 5 block matmuls against 2
 
 
-def _visited_pairs(call: _Call) -> int:
-    """The (query, key) pairs the GPU kernel computes: every listed block whole, for every
-    (batch, query head)."""
+def _listed_blocks(call: _Call) -> tuple[int, int]:
+    """The key blocks the BlockMask lists (the GPU kernel computes each whole, for every (batch,
+    query head)), and the blocks of query rows listing them."""
     count = (call.query.size(2) + call.q_block - 1) // call.q_block
-    listed = call.kv_num[..., :count].sum()
+    listing = call.kv_num[..., :count]
+    listed = listing.sum()
     if call.full_num is not None:
         listed = listed + call.full_num[..., :count].sum()
-    return int(listed.item()) * call.q_block * call.kv_block
+    return int(listed.item()), listing.numel()
 
 
 @contextlib.contextmanager
@@ -223,17 +224,20 @@ def _one_kernel(torch: ModuleType, kernel: int, call: _Call, tensors: Callable[[
         yield
         return
     torch.ops.mirage.fused_kernel_begin()  # first: the block count's read below is the kernel's, no host sync
-    clocked, flops = False, 0.0
+    clocked, flops, keys_per_query_block = False, 0.0, 0.0
     try:
         head_dims = call.query.size(-1) + call.value.size(-1)
-        flops = 2.0 * _visited_pairs(call) * head_dims * (_BACKWARD_FLOPS if kernel == _BACKWARD_KERNEL else 1.0)
+        listed, query_blocks = _listed_blocks(call)
+        flops = 2.0 * listed * call.q_block * call.kv_block * head_dims * (
+            _BACKWARD_FLOPS if kernel == _BACKWARD_KERNEL else 1.0)
+        keys_per_query_block = listed * call.kv_block / max(query_blocks, 1)
         yield
         clocked = True
     finally:
         moved = [t for t in tensors() if isinstance(t, torch.Tensor)]
         torch.ops.mirage.fused_kernel_end(kernel if clocked else -1, call.query.device.index,
                                           sum(t.numel() * t.element_size() for t in moved),
-                                          flops, call.query.dtype)
+                                          flops, call.query.dtype, call.query.size(-1), keys_per_query_block)
 
 
 def _outputs_like_fake(torch: ModuleType, fake: Callable, *args: Any) -> Any:

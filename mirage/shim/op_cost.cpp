@@ -112,6 +112,9 @@ CostModel load_model() {
   m.attention_backward_efficiency = need(p, "attention_backward_efficiency");
   m.attention_causal_factor = need(p, "attention_causal_factor");
   m.attention_block_rows = static_cast<int64_t>(need(p, "attention_block_rows"));
+  m.attention_block_overhead = need(p, "attention_block_overhead");
+  m.attention_backward_block_overhead = need(p, "attention_backward_block_overhead");
+  m.attention_softmax_head_dims = need(p, "attention_softmax_head_dims");
   m.tile_m = static_cast<int64_t>(need(p, "gemm_tile_m"));
   m.tile_n = static_cast<int64_t>(need(p, "gemm_tile_n"));
   m.compute_units = static_cast<int64_t>(need(p, "compute_units"));
@@ -381,6 +384,30 @@ double causal_share(int64_t seq_q, int64_t seq_k) {
 // attention_rate_end, what a benchmark's stand-in for another implementation measured it at.
 static thread_local double tl_attention_rate = 1.0;
 
+// The head dim every profile's attention efficiencies were measured at (FlashAttention-2's
+// figures at head dim 128; a profile's sources say so).
+constexpr int64_t kMeasuredHeadDim = 128;
+
+double attention_block_factor(double keys_swept, int64_t head_dim, ComputeKind kind) {
+  const CostModel& m = cost_model();
+  const double steps = std::max(1.0, keys_swept / static_cast<double>(std::max<int64_t>(m.attention_block_rows, 1)));
+  const double overhead =
+      kind == ComputeKind::kAttentionBackward ? m.attention_backward_block_overhead : m.attention_block_overhead;
+  const double dims = static_cast<double>(std::clamp<int64_t>(head_dim, 1, kMeasuredHeadDim));
+  const double besides_matmuls =
+      (1 + m.attention_softmax_head_dims / dims) / (1 + m.attention_softmax_head_dims / kMeasuredHeadDim);
+  return (steps + overhead) / steps * besides_matmuls;
+}
+
+double attention_time_factor(int64_t seq_q, int64_t seq_k, int64_t head_dim, bool causal, ComputeKind kind) {
+  const double block = static_cast<double>(std::max<int64_t>(cost_model().attention_block_rows, 1));
+  const double keys = std::ceil(static_cast<double>(seq_k) / block) * block;  // whole steps of keys
+  // the keys a block of query rows sweeps on average: all of them, or a causal kernel's triangle
+  // ((r + 1) / 2 steps for r blocks of rows; half where queries and keys differ in length)
+  const double swept = !causal ? keys : seq_q == seq_k ? (keys + block) / 2 : keys / 2;
+  return (causal ? causal_share(seq_q, seq_k) : 1.0) * attention_block_factor(swept, head_dim, kind);
+}
+
 void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs,
                         std::initializer_list<at::Tensor> outputs, bool causal, int64_t seq_q, int64_t seq_k,
                         ComputeKind kind) {
@@ -399,7 +426,7 @@ void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs
   const c10::OperatorHandle handle = c10::Dispatcher::singleton().findSchemaOrThrow(op, "");
   const double counted = has_flop_formula(handle.schema()) ? flop_count(handle, args, results.data(), results.size()) : 0;
   const double flops = causal ? counted / 2 : counted;  // the model's FLOPs (MFU); the time follows the work done
-  const double work = causal ? counted * causal_share(seq_q, seq_k) : counted;  // at a non-causal kernel's rate
+  const double work = counted * attention_time_factor(seq_q, seq_k, first.size(-1), causal, kind);
   const KernelCost cost = kernel_cost(work / tl_attention_rate, bytes, first.scalar_type(), {}, kind);
   run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, handle.schema().name().c_str(), bytes, flops, &cost.beside,
                 first.scalar_type());
@@ -490,16 +517,18 @@ MIRAGE_LIBRARY(m) {
         });
   // Fused attention over batch x heads x seq x head_dim: its forward (4 x b x h x s^2 x d FLOPs,
   // reading q, k, v and writing the output), or its backward (2.5 x those FLOPs, with the scores'
-  // recomputation; reading q, k, v, the output and its gradient, writing three gradients); a
-  // causal kernel takes causal_share of their time.
+  // recomputation; reading q, k, v, the output and its gradient, writing three gradients), timed
+  // by attention_time_factor.
   m.def("clock_predict_attention_ns(int batch, int heads, int seq, int head_dim, bool causal, ScalarType dtype, "
         "bool backward=False) -> int",
         [](int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, bool causal, c10::ScalarType dtype,
            bool backward) -> int64_t {
-          const double forward = 4.0 * batch * heads * seq * seq * head_dim * (causal ? mirage::causal_share(seq, seq) : 1.0);
+          const auto kind = backward ? mirage::ComputeKind::kAttentionBackward : mirage::ComputeKind::kAttention;
+          const double forward = 4.0 * batch * heads * seq * seq * head_dim;
+          const double work = (backward ? 2.5 : 1.0) * forward *
+                              mirage::attention_time_factor(seq, seq, head_dim, causal, kind);
           const int64_t tensor = batch * heads * seq * head_dim * static_cast<int64_t>(c10::elementSize(dtype));
-          return backward ? mirage::kernel_cost(2.5 * forward, 8 * tensor, dtype, {}, mirage::ComputeKind::kAttentionBackward).ns
-                          : mirage::kernel_cost(forward, 4 * tensor, dtype, {}, mirage::ComputeKind::kAttention).ns;
+          return mirage::kernel_cost(work, (backward ? 8 : 4) * tensor, dtype, {}, kind).ns;
         });
   m.def("clock_predict_stream_ns(int bytes) -> int",
         [](int64_t bytes) -> int64_t { return mirage::kernel_cost(0, bytes, c10::kByte, {}).ns; });
@@ -526,7 +555,9 @@ MIRAGE_LIBRARY(m) {
         });
   // A GPU kernel that mirage runs as many ops (FlexAttention's block-sparse implementation,
   // mirage/runtime/flex_attention.py): between begin and end its ops are not timed alone, and end
-  // places one attention kernel of `flops` (the blocks it visits) and `bytes` on the current stream.
+  // places one attention kernel of `flops` (the blocks it visits) and `bytes` on the current stream,
+  // its blocks of query rows sweeping `keys_per_query_block` keys on average at `head_dim`
+  // (attention_block_factor).
   // A benchmark's stand-in for an attention implementation other than the one the profile's
   // figures describe (bench/e2e_gpt.py's --attn-impl triton): the fused attention kernels this
   // thread places until attention_rate_end do their work at `rate` times the modelled kernel's
@@ -540,13 +571,16 @@ MIRAGE_LIBRARY(m) {
   });
   m.def("attention_rate_end() -> ()", []() { mirage::tl_attention_rate = 1.0; });
   m.def("fused_kernel_begin() -> ()", []() { ++mirage::tl_kernel_depth; });
-  m.def("fused_kernel_end(int kernel, int device, int bytes, float flops, ScalarType dtype) -> ()",
-        [](int64_t kernel, int64_t device, int64_t bytes, double flops, c10::ScalarType dtype) {
+  m.def("fused_kernel_end(int kernel, int device, int bytes, float flops, ScalarType dtype, int head_dim, "
+        "float keys_per_query_block) -> ()",
+        [](int64_t kernel, int64_t device, int64_t bytes, double flops, c10::ScalarType dtype, int64_t head_dim,
+           double keys_per_query_block) {
           static const char* const names[] = {"flex_attention", "flex_attention_backward"};
           if (--mirage::tl_kernel_depth > 0 || !mirage::timing() || kernel < 0 || kernel > 1) return;
           const auto dev = static_cast<mirage::DeviceIndex>(device);
-          const mirage::KernelCost cost = mirage::kernel_cost(
-              flops, bytes, dtype, {}, kernel == 0 ? mirage::ComputeKind::kAttention : mirage::ComputeKind::kAttentionBackward);
+          const auto kind = kernel == 0 ? mirage::ComputeKind::kAttention : mirage::ComputeKind::kAttentionBackward;
+          const double work = flops * mirage::attention_block_factor(keys_per_query_block, head_dim, kind);
+          const mirage::KernelCost cost = mirage::kernel_cost(work, bytes, dtype, {}, kind);
           mirage::run_on_stream(dev, mirage::tl_stream[dev], cost.ns, cost.kind, names[kernel], bytes, flops,
                                 &cost.beside, dtype);
         });

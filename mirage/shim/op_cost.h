@@ -46,6 +46,10 @@ struct CostModel {
   double attention_backward_efficiency;  // the same for its backward kernel
   double attention_causal_factor; // a causal kernel's rate per block it computes, over a non-causal one's
   int64_t attention_block_rows;   // query rows a fused attention kernel computes together
+  // Each block of query rows' fixed work (loading it, rescaling and writing its output), in steps
+  // of attention_block_rows keys swept, forward and backward; and the work per score besides its
+  // two matmuls (exponential, row maximum, rescaling), in head dims of matmul work.
+  double attention_block_overhead, attention_backward_block_overhead, attention_softmax_head_dims;
   int64_t tile_m, tile_n, compute_units;
   double gemm_epilogue_share;     // the part of a wave's output store not hidden behind its main loop
   int64_t gemm_split_k_min;       // the least K one split of a split-K GEMM takes
@@ -176,12 +180,24 @@ GemmShape gemm_shape(const c10::FunctionSchema& schema, const std::vector<c10::I
 // rate (the diagonal blocks' masking, query blocks of unequal work).
 double causal_share(int64_t seq_q, int64_t seq_k);
 
+// The time of a fused attention kernel over `seq_q` x `seq_k` at `head_dim`, as a multiple of its
+// non-causal FLOPs' time at the efficiency of `kind` (measured at head dim 128 on long sequences):
+// causal_share for a causal kernel; (n + overhead) / n for its blocks of query rows, which sweep n
+// steps of attention_block_rows keys on average and pay a fixed share each
+// (attention_block_overhead, or the backward's); and (1 + s / d) / (1 + s / 128) for its scores'
+// work besides their matmuls, s = attention_softmax_head_dims, d the head dim (at most 128: no
+// figure above it was used).
+double attention_time_factor(int64_t seq_q, int64_t seq_k, int64_t head_dim, bool causal, ComputeKind kind);
+// The last two of those for a kernel whose blocks of query rows sweep `keys_swept` keys on average
+// (FlexAttention's, by the blocks its BlockMask lists).
+double attention_block_factor(double keys_swept, int64_t head_dim, ComputeKind kind);
+
 // A fused kernel written over ATen (flash attention): its place on the timeline as one kernel,
 // FLOPs from `op`'s formula over its leading tensor arguments, halved for causal attention (the
-// fused kernels skip the masked half; torch's formula counts it), its time the share of a
-// non-causal kernel's a causal one takes over `seq_q` query and `seq_k` key positions
-// (causal_share). Call with a KernelScope held around the kernel's ATen work, and only when that
-// scope is the outermost.
+// fused kernels skip the masked half; torch's formula counts it), its time those FLOPs' at the
+// efficiency of `kind` times attention_time_factor over `seq_q` query and `seq_k` key positions at
+// the head dim of its first input. Call with a KernelScope held around the kernel's ATen work, and
+// only when that scope is the outermost.
 void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs,
                         std::initializer_list<at::Tensor> outputs, bool causal, int64_t seq_q, int64_t seq_k,
                         ComputeKind kind);

@@ -36,14 +36,14 @@ def gemm() -> None:
 
 
 def attention() -> None:
-    """A causal bf16 scaled_dot_product_attention (flash backend), its forward timed with events,
-    then its backward; with ATTENTION_RATE, both as another implementation's kernels at that rate
+    """A causal bf16 scaled_dot_product_attention (flash backend) at head dim HEAD_DIM (128), its
+    forward timed with events, then its backward; with ATTENTION_RATE, both as another implementation's kernels at that rate
     (torch.ops.mirage.attention_rate_begin, as bench/e2e_gpt.py's stand-ins time them), then the
     refusals of a rate that is not positive and of a second rate before the first ends."""
-    rate = float(os.environ.get("ATTENTION_RATE", "1"))
-    q, k, v = (torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    rate, head_dim = float(os.environ.get("ATTENTION_RATE", "1")), int(os.environ.get("HEAD_DIM", "128"))
+    q, k, v = (torch.randn(2, 8, 1024, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
-    grad = torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(2, 8, 1024, head_dim, device="cuda", dtype=torch.bfloat16)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     if rate != 1:
         torch.ops.mirage.attention_rate_begin(rate)
