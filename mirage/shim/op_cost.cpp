@@ -553,15 +553,10 @@ MIRAGE_LIBRARY(m) {
           mirage::run_on_stream(dev, mirage::tl_stream[dev], cost.ns, cost.kind, mirage::kCompiledGraph, bytes, flops,
                                 &cost.beside);
         });
-  // A GPU kernel that mirage runs as many ops (FlexAttention's block-sparse implementation,
-  // mirage/runtime/flex_attention.py): between begin and end its ops are not timed alone, and end
-  // places one attention kernel of `flops` (the blocks it visits) and `bytes` on the current stream,
-  // its blocks of query rows sweeping `keys_per_query_block` keys on average at `head_dim`
-  // (attention_block_factor).
   // A benchmark's stand-in for an attention implementation other than the one the profile's
-  // figures describe (bench/e2e_gpt.py's --attn-impl triton): the fused attention kernels this
-  // thread places until attention_rate_end do their work at `rate` times the modelled kernel's
-  // speed, `rate` being what a publication measured the two implementations at, side by side.
+  // figures describe (bench/e2e_gpt.py's --attn-impl triton): the SDPA attention kernels (flash,
+  // memory-efficient) this thread places until attention_rate_end do their work at `rate` times
+  // the modelled kernel's speed, `rate` being what a publication measured the two at, side by side.
   m.def("attention_rate_begin(float rate) -> ()", [](double rate) {
     TORCH_CHECK(rate > 0 && std::isfinite(rate), "attention_rate_begin: the rate must be a positive number, got ",
                 rate);
@@ -570,6 +565,11 @@ MIRAGE_LIBRARY(m) {
     mirage::tl_attention_rate = rate;
   });
   m.def("attention_rate_end() -> ()", []() { mirage::tl_attention_rate = 1.0; });
+  // A GPU kernel that mirage runs as many ops (FlexAttention's block-sparse implementation,
+  // mirage/runtime/flex_attention.py): between begin and end its ops are not timed alone, and end
+  // places one attention kernel of `flops` (the blocks it visits) and `bytes` on the current stream,
+  // its blocks of query rows sweeping `keys_per_query_block` keys on average at `head_dim`
+  // (attention_block_factor).
   m.def("fused_kernel_begin() -> ()", []() { ++mirage::tl_kernel_depth; });
   m.def("fused_kernel_end(int kernel, int device, int bytes, float flops, ScalarType dtype, int head_dim, "
         "float keys_per_query_block) -> ()",
