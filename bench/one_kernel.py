@@ -39,8 +39,9 @@ def one_kernel(name: str, device: torch.device, bytes_moved: int, dtype: torch.d
 @contextlib.contextmanager
 def attention_at_rate(rate: float) -> Iterator[None]:
     """Times the fused attention kernels placed inside as another implementation's, which runs
-    at `rate` times the speed of the kernel clocked mode models (FlashAttention-2), `rate` being
-    what a publication measured the two at side by side (clocked mode only)."""
+    at `rate` times the speed of flash-attn's FlashAttention-2 (the kernel the profile's attention
+    efficiencies describe; SDPA's own flash kernels run at the profile's torch_flash_attention_rate
+    of it), `rate` being what a publication measured the two at side by side (clocked mode only)."""
     if not _clocked():
         yield
         return

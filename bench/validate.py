@@ -67,7 +67,9 @@ def predict(cases: list[dict]) -> list[float]:
         elif case["kind"] == "attention":
             b, h, s, d, causal = case["batch"], case["heads"], case["seq"], case["head_dim"], case["causal"]
             passes = {"forward": (False,), "backward": (True,), "forward+backward": (False, True)}[case.get("pass", "forward")]
-            ns = sum(torch.ops.mirage.clock_predict_attention_ns(b, h, s, d, causal, getattr(torch, case["dtype"]), backward)
+            implementation = case.get("implementation", "flash-attn")  # flash-attn's FlashAttention-2 unless named
+            ns = sum(torch.ops.mirage.clock_predict_attention_ns(b, h, s, d, causal, getattr(torch, case["dtype"]), backward,
+                                                                 implementation)
                      for backward in passes)
             forward_flops = 4 * b * h * s * s * d / (2 if causal else 1)  # FlashAttention's count
             out.append(sum(2.5 if backward else 1.0 for backward in passes) * forward_flops / ns / 1e3)  # TFLOP/s
@@ -120,7 +122,8 @@ def describe(case: dict) -> str:
         return f"streaming kernel, {case['bytes'] / 2**20:.0f} MiB moved"
     if case["kind"] == "attention":
         return (f"attention {case.get('pass', 'forward')} {case['batch']}x{case['heads']}x{case['seq']}x{case['head_dim']} "
-                f"{'causal' if case['causal'] else 'non-causal'} {case['dtype']}")
+                f"{'causal' if case['causal'] else 'non-causal'} {case['dtype']}"
+                f"{', PyTorch SDPA flash' if case.get('implementation') == 'pytorch' else ''}")
     where = f"{case['ranks']} GPUs" + (f", {case['nodes']} nodes" if case["nodes"] > 1 else "")
     return f"{case['op']} {case['bytes'] / 2**20:.0f} MiB, {where}"
 

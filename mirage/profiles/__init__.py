@@ -150,6 +150,10 @@ TIMING_KEYS: dict[str, str] = {
                                    "row maximum, rescaling), in head dims of matmul work: at head dim d it takes "
                                    "(1 + this / d) / (1 + this / 128) of the time at head dim 128, where the "
                                    "efficiencies are measured",
+    "torch_flash_attention_rate": "the speed of PyTorch's own FlashAttention-2 build (the kernels SDPA's flash "
+                                  "backend runs) over flash-attn's, whose figures the attention efficiencies are, "
+                                  "for a non-causal kernel, forward and backward",
+    "torch_flash_attention_causal_rate": "the same for a causal kernel",
     "gemm_tile_m": "GEMM output tile rows (wave quantisation)",
     "gemm_tile_n": "GEMM output tile columns (wave quantisation)",
     "gemm_epilogue_share": "the share of a GEMM wave's output store (its tiles at the HBM bandwidth) not hidden "

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <shared_mutex>
@@ -115,6 +116,8 @@ CostModel load_model() {
   m.attention_block_overhead = need(p, "attention_block_overhead");
   m.attention_backward_block_overhead = need(p, "attention_backward_block_overhead");
   m.attention_softmax_head_dims = need(p, "attention_softmax_head_dims");
+  m.torch_flash_attention_rate = need(p, "torch_flash_attention_rate");
+  m.torch_flash_attention_causal_rate = need(p, "torch_flash_attention_causal_rate");
   m.tile_m = static_cast<int64_t>(need(p, "gemm_tile_m"));
   m.tile_n = static_cast<int64_t>(need(p, "gemm_tile_n"));
   m.compute_units = static_cast<int64_t>(need(p, "compute_units"));
@@ -379,10 +382,21 @@ double causal_share(int64_t seq_q, int64_t seq_k) {
   return work / m.attention_causal_factor;
 }
 
-// How fast the fused attention kernels this thread places now are against the implementation the
-// profile's attention figures describe (FlashAttention-2): 1, or, between attention_rate_begin and
-// attention_rate_end, what a benchmark's stand-in for another implementation measured it at.
-static thread_local double tl_attention_rate = 1.0;
+// Between attention_rate_begin and attention_rate_end, how fast a benchmark's stand-in for another
+// implementation measured it against the one the profile's attention figures describe
+// (flash-attn's FlashAttention-2); 0 outside, where each kernel runs at its own rate
+// (fused_attention_rate).
+static thread_local double tl_attention_rate = 0.0;
+
+// An SDPA kernel's speed against flash-attn's FlashAttention-2: PyTorch's own build of it (the flash
+// kernels) at the profile's measured rate, causal or not; the memory-efficient kernels at 1 (no
+// measurement of them is used); any of them at the stand-in's rate while one is set.
+double fused_attention_rate(const char* op, bool causal) {
+  if (tl_attention_rate > 0) return tl_attention_rate;
+  if (std::strstr(op, "_flash_attention") == nullptr) return 1.0;
+  const CostModel& m = cost_model();
+  return causal ? m.torch_flash_attention_causal_rate : m.torch_flash_attention_rate;
+}
 
 // The head dim every profile's attention efficiencies were measured at (FlashAttention-2's
 // figures at head dim 128; a profile's sources say so).
@@ -427,7 +441,7 @@ void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs
   const double counted = has_flop_formula(handle.schema()) ? flop_count(handle, args, results.data(), results.size()) : 0;
   const double flops = causal ? counted / 2 : counted;  // the model's FLOPs (MFU); the time follows the work done
   const double work = counted * attention_time_factor(seq_q, seq_k, first.size(-1), causal, kind);
-  const KernelCost cost = kernel_cost(work / tl_attention_rate, bytes, first.scalar_type(), {}, kind);
+  const KernelCost cost = kernel_cost(work / fused_attention_rate(op, causal), bytes, first.scalar_type(), {}, kind);
   run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, handle.schema().name().c_str(), bytes, flops, &cost.beside,
                 first.scalar_type());
 }
@@ -518,15 +532,22 @@ MIRAGE_LIBRARY(m) {
   // Fused attention over batch x heads x seq x head_dim: its forward (4 x b x h x s^2 x d FLOPs,
   // reading q, k, v and writing the output), or its backward (2.5 x those FLOPs, with the scores'
   // recomputation; reading q, k, v, the output and its gradient, writing three gradients), timed
-  // by attention_time_factor.
+  // by attention_time_factor, as `implementation` runs it: "pytorch" (SDPA's flash kernels, PyTorch's
+  // own build) or "flash-attn" (that package's FlashAttention-2, which the efficiencies describe).
   m.def("clock_predict_attention_ns(int batch, int heads, int seq, int head_dim, bool causal, ScalarType dtype, "
-        "bool backward=False) -> int",
+        "bool backward=False, str implementation=\"pytorch\") -> int",
         [](int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, bool causal, c10::ScalarType dtype,
-           bool backward) -> int64_t {
+           bool backward, c10::string_view implementation) -> int64_t {
+          TORCH_CHECK(implementation == "pytorch" || implementation == "flash-attn",
+                      "clock_predict_attention_ns: implementation must be \"pytorch\" or \"flash-attn\", got \"",
+                      std::string(implementation), "\"");
           const auto kind = backward ? mirage::ComputeKind::kAttentionBackward : mirage::ComputeKind::kAttention;
           const double forward = 4.0 * batch * heads * seq * seq * head_dim;
+          const double rate = implementation == "pytorch"
+                                  ? mirage::fused_attention_rate("aten::_scaled_dot_product_flash_attention", causal)
+                                  : 1.0;
           const double work = (backward ? 2.5 : 1.0) * forward *
-                              mirage::attention_time_factor(seq, seq, head_dim, causal, kind);
+                              mirage::attention_time_factor(seq, seq, head_dim, causal, kind) / rate;
           const int64_t tensor = batch * heads * seq * head_dim * static_cast<int64_t>(c10::elementSize(dtype));
           return mirage::kernel_cost(work, (backward ? 8 : 4) * tensor, dtype, {}, kind).ns;
         });
@@ -553,18 +574,19 @@ MIRAGE_LIBRARY(m) {
           mirage::run_on_stream(dev, mirage::tl_stream[dev], cost.ns, cost.kind, mirage::kCompiledGraph, bytes, flops,
                                 &cost.beside);
         });
-  // A benchmark's stand-in for an attention implementation other than the one the profile's
-  // figures describe (bench/e2e_gpt.py's --attn-impl triton): the SDPA attention kernels (flash,
-  // memory-efficient) this thread places until attention_rate_end do their work at `rate` times
-  // the modelled kernel's speed, `rate` being what a publication measured the two at, side by side.
+  // A benchmark's stand-in for an attention implementation other than SDPA's own (bench/e2e_gpt.py's
+  // --attn-impl triton): the SDPA attention kernels (flash, memory-efficient) this thread places
+  // until attention_rate_end do their work at `rate` times the speed of flash-attn's
+  // FlashAttention-2, which the profile's attention efficiencies describe (in place of their own
+  // rate, fused_attention_rate), `rate` being what a publication measured the two at, side by side.
   m.def("attention_rate_begin(float rate) -> ()", [](double rate) {
     TORCH_CHECK(rate > 0 && std::isfinite(rate), "attention_rate_begin: the rate must be a positive number, got ",
                 rate);
-    TORCH_CHECK(mirage::tl_attention_rate == 1.0, "attention_rate_begin: a rate is already set on this thread; "
+    TORCH_CHECK(mirage::tl_attention_rate == 0.0, "attention_rate_begin: a rate is already set on this thread; "
                 "end it with attention_rate_end first");
     mirage::tl_attention_rate = rate;
   });
-  m.def("attention_rate_end() -> ()", []() { mirage::tl_attention_rate = 1.0; });
+  m.def("attention_rate_end() -> ()", []() { mirage::tl_attention_rate = 0.0; });
   // A GPU kernel that mirage runs as many ops (FlexAttention's block-sparse implementation,
   // mirage/runtime/flex_attention.py): between begin and end its ops are not timed alone, and end
   // places one attention kernel of `flops` (the blocks it visits) and `bytes` on the current stream,
