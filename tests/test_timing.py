@@ -88,9 +88,9 @@ def test_events_time_kernels_by_the_profiles_model(name, n, predict_only):
 def test_fused_attention_runs_at_the_profiles_attention_efficiencies(tmp_path, rate, head_dim):
     """The flash kernel's forward at attention_efficiency; its backward, 2.5x the forward's FLOPs
     (the scores recomputed), at attention_backward_efficiency (FlashAttention-2's backward is
-    slower than its forward, docs/validation.md); being causal, both at attention_causal_factor of
-    those rates (FlashAttention-2's causal kernels compute their blocks slower than non-causal
-    ones). Each block of query rows pays a fixed share (attention_block_overhead, the backward's
+    slower than its forward, docs/validation.md); being causal, each at its causal factor
+    (attention_causal_factor, attention_backward_causal_factor) of those rates (FlashAttention-2's
+    causal forward computes its blocks slower than a non-causal one, its backward about as fast). Each block of query rows pays a fixed share (attention_block_overhead, the backward's
     own), in steps of keys swept: a causal block sweeps (r + 1) / 2 of r on average; and at head
     dim 64 the scores' exponentials and rescaling weigh more against their matmuls
     (attention_softmax_head_dims) than at 128, where the efficiencies were measured. The forward is
@@ -111,17 +111,18 @@ def test_fused_attention_runs_at_the_profiles_attention_efficiencies(tmp_path, r
     rows = s // m["attention_block_rows"]
     # causal: the fused kernel skips the blocks above the diagonal, and computes whole the blocks
     # of rows the diagonal crosses: (rows + 1) / 2 rows' worth of rows x s scores, each block at
-    # the causal factor of a non-causal kernel's rate
-    flops = 4 * b * h * s * s * d * (rows + 1) / (2 * rows) / m["attention_causal_factor"]
+    # the causal factor of a non-causal kernel's rate (below, the forward's or the backward's)
+    flops = 4 * b * h * s * s * d * (rows + 1) / (2 * rows)
     swept = (rows + 1) / 2
     besides_matmuls = (1 + m["attention_softmax_head_dims"] / d) / (1 + m["attention_softmax_head_dims"] / 128)
     backward = [e["dur"] / 1e3 for e in json.loads(trace.read_text())["traceEvents"]
                 if e.get("ph") == "X" and e["name"] == "aten::_scaled_dot_product_flash_attention_backward"]
     timed = {"forward": last_json(run.stdout)["attention_ms"], "backward": backward[0] if len(backward) == 1 else None}
-    for key, work, efficiency, overhead in (
-            ("forward", flops, "attention_efficiency", "attention_block_overhead"),
-            ("backward", 2.5 * flops, "attention_backward_efficiency", "attention_backward_block_overhead")):
-        work *= (swept + m[overhead]) / swept * besides_matmuls
+    for key, work, efficiency, overhead, causal_factor in (
+            ("forward", flops, "attention_efficiency", "attention_block_overhead", "attention_causal_factor"),
+            ("backward", 2.5 * flops, "attention_backward_efficiency", "attention_backward_block_overhead",
+             "attention_backward_causal_factor")):
+        work *= (swept + m[overhead]) / swept * besides_matmuls / m[causal_factor]
         speed = rate if rate != 1 else m["torch_flash_attention_causal_rate"]  # a stand-in's rate, or PyTorch's build
         compute_ns = work / (m["peak_tflops.bf16"] * 1e3 * m[efficiency] * speed)
         assert timed[key] == pytest.approx((compute_ns + m["kernel_overhead_us"] * 1e3) / 1e6, rel=1e-2), key

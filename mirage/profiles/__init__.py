@@ -140,6 +140,7 @@ TIMING_KEYS: dict[str, str] = {
     "attention_backward_efficiency": "the same for fused attention's backward kernel (2.5x its forward's FLOPs)",
     "attention_causal_factor": "a causal fused attention kernel's rate per block of scores it computes, over a "
                                "non-causal kernel's (the diagonal blocks' masking, query blocks of unequal work)",
+    "attention_backward_causal_factor": "the same for fused attention's backward kernel",
     "attention_block_rows": "query rows a fused attention kernel computes together (a causal kernel computes "
                             "whole the blocks its diagonal crosses)",
     "attention_block_overhead": "a fused attention kernel's fixed work per block of query rows (loading it, "

@@ -112,6 +112,7 @@ CostModel load_model() {
   m.attention_efficiency = need(p, "attention_efficiency");
   m.attention_backward_efficiency = need(p, "attention_backward_efficiency");
   m.attention_causal_factor = need(p, "attention_causal_factor");
+  m.attention_backward_causal_factor = need(p, "attention_backward_causal_factor");
   m.attention_block_rows = static_cast<int64_t>(need(p, "attention_block_rows"));
   m.attention_block_overhead = need(p, "attention_block_overhead");
   m.attention_backward_block_overhead = need(p, "attention_backward_block_overhead");
@@ -371,7 +372,7 @@ GemmShape gemm_shape(const c10::FunctionSchema& schema, const std::vector<c10::I
   return {output_tiles(cost_model(), batch, out.size(-2), out.size(-1)), a.size(-1)};
 }
 
-double causal_share(int64_t seq_q, int64_t seq_k) {
+double causal_share(int64_t seq_q, int64_t seq_k, ComputeKind kind) {
   const CostModel& m = cost_model();
   const int64_t block = m.attention_block_rows;
   double work = 0.5;
@@ -379,7 +380,8 @@ double causal_share(int64_t seq_q, int64_t seq_k) {
     const double rows = static_cast<double>((seq_q + block - 1) / block);
     work = (rows + 1) / (2 * rows);
   }
-  return work / m.attention_causal_factor;
+  return work / (kind == ComputeKind::kAttentionBackward ? m.attention_backward_causal_factor
+                                                    : m.attention_causal_factor);
 }
 
 // Between attention_rate_begin and attention_rate_end, how fast a benchmark's stand-in for another
@@ -419,7 +421,7 @@ double attention_time_factor(int64_t seq_q, int64_t seq_k, int64_t head_dim, boo
   // the keys a block of query rows sweeps on average: all of them, or a causal kernel's triangle
   // ((r + 1) / 2 steps for r blocks of rows; half where queries and keys differ in length)
   const double swept = !causal ? keys : seq_q == seq_k ? (keys + block) / 2 : keys / 2;
-  return (causal ? causal_share(seq_q, seq_k) : 1.0) * attention_block_factor(swept, head_dim, kind);
+  return (causal ? causal_share(seq_q, seq_k, kind) : 1.0) * attention_block_factor(swept, head_dim, kind);
 }
 
 void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs,

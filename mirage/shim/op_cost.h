@@ -45,6 +45,7 @@ struct CostModel {
   double attention_efficiency;    // the fraction of peak fused attention reaches (softmax between its GEMMs)
   double attention_backward_efficiency;  // the same for its backward kernel
   double attention_causal_factor; // a causal kernel's rate per block it computes, over a non-causal one's
+  double attention_backward_causal_factor;  // the same for the backward kernel
   int64_t attention_block_rows;   // query rows a fused attention kernel computes together
   // Each block of query rows' fixed work (loading it, rescaling and writing its output), in steps
   // of attention_block_rows keys swept, forward and backward; and the work per score besides its
@@ -179,9 +180,10 @@ GemmShape gemm_shape(const c10::FunctionSchema& schema, const std::vector<c10::I
 // `seq_k`: it skips the blocks above the diagonal but computes whole the blocks of
 // attention_block_rows query rows the diagonal crosses, (r + 1) / 2r of the work for r blocks of
 // rows (FlashAttention-2's 128-row blocks: 5/8 at 512 tokens, 129/256 at 16k; queries and keys of
-// different lengths: 1/2), and computes them at attention_causal_factor of a non-causal kernel's
-// rate (the diagonal blocks' masking, query blocks of unequal work).
-double causal_share(int64_t seq_q, int64_t seq_k);
+// different lengths: 1/2), and computes them at attention_causal_factor (the backward kernel's,
+// for kind kAttentionBackward) of a non-causal kernel's rate (the diagonal blocks' masking, query
+// blocks of unequal work).
+double causal_share(int64_t seq_q, int64_t seq_k, ComputeKind kind);
 
 // The time of a fused attention kernel over `seq_q` x `seq_k` at `head_dim`, as a multiple of its
 // non-causal FLOPs' time at the efficiency of `kind` (measured at head dim 128 on long sequences):
