@@ -84,8 +84,9 @@ def test_events_time_kernels_by_the_profiles_model(name, n, predict_only):
     assert "predicted timing on " + name in run.stderr
 
 
-@pytest.mark.parametrize("rate, head_dim", [(1.0, 128), (0.5, 128), (1.0, 64)])
-def test_fused_attention_runs_at_the_profiles_attention_efficiencies(tmp_path, rate, head_dim):
+@pytest.mark.parametrize("rate, head_dim, backend", [(1.0, 128, "flash"), (0.5, 128, "flash"), (1.0, 64, "flash"),
+                                                   (1.0, 128, "efficient")])
+def test_fused_attention_runs_at_the_profiles_attention_efficiencies(tmp_path, rate, head_dim, backend):
     """The flash kernel's forward at attention_efficiency; its backward, 2.5x the forward's FLOPs
     (the scores recomputed), at attention_backward_efficiency (FlashAttention-2's backward is
     slower than its forward, docs/validation.md); being causal, each at its causal factor
@@ -97,14 +98,14 @@ def test_fused_attention_runs_at_the_profiles_attention_efficiencies(tmp_path, r
     timed with events; the backward kernel on the trace (the events around
     backward() also hold the gradients' copies). Those speeds are flash-attn's FlashAttention-2;
     SDPA's flash kernels are PyTorch's own build of it, at torch_flash_attention_causal_rate of them
-    here (measured on H100). Between attention_rate_begin(rate) and attention_rate_end, a
+    here (measured on H100); its memory-efficient kernels, another implementation, are not. Between attention_rate_begin(rate) and attention_rate_end, a
     benchmark's stand-in for another implementation (bench/e2e_gpt.py's --attn-impl triton), both
     compute at `rate` of flash-attn's speeds instead; a second rate before the first ends, and a
     rate that is not positive, are refused."""
     trace = tmp_path / "trace.json"
     run = mirage("run", "--quiet", "--timing", "--trace", str(trace), "--profile", "h100", "--gpus-per-node", "1",
                  "--", sys.executable, str(WORKLOAD), "attention",
-                 env={"ATTENTION_RATE": str(rate), "HEAD_DIM": str(head_dim)})
+                 env={"ATTENTION_RATE": str(rate), "HEAD_DIM": str(head_dim), "BACKEND": backend})
     assert run.returncode == 0, run.stderr
     m = model("h100")
     b, h, s, d = 2, 8, 1024, head_dim
@@ -116,14 +117,15 @@ def test_fused_attention_runs_at_the_profiles_attention_efficiencies(tmp_path, r
     swept = (rows + 1) / 2
     besides_matmuls = (1 + m["attention_softmax_head_dims"] / d) / (1 + m["attention_softmax_head_dims"] / 128)
     backward = [e["dur"] / 1e3 for e in json.loads(trace.read_text())["traceEvents"]
-                if e.get("ph") == "X" and e["name"] == "aten::_scaled_dot_product_flash_attention_backward"]
+                if e.get("ph") == "X" and e["name"] == f"aten::_scaled_dot_product_{backend}_attention_backward"]
     timed = {"forward": last_json(run.stdout)["attention_ms"], "backward": backward[0] if len(backward) == 1 else None}
     for key, work, efficiency, overhead, causal_factor in (
             ("forward", flops, "attention_efficiency", "attention_block_overhead", "attention_causal_factor"),
             ("backward", 2.5 * flops, "attention_backward_efficiency", "attention_backward_block_overhead",
              "attention_backward_causal_factor")):
         work *= (swept + m[overhead]) / swept * besides_matmuls / m[causal_factor]
-        speed = rate if rate != 1 else m["torch_flash_attention_causal_rate"]  # a stand-in's rate, or PyTorch's build
+        # a stand-in's rate, or PyTorch's flash build's
+        speed = rate if rate != 1 else m["torch_flash_attention_causal_rate"] if backend == "flash" else 1.0
         compute_ns = work / (m["peak_tflops.bf16"] * 1e3 * m[efficiency] * speed)
         assert timed[key] == pytest.approx((compute_ns + m["kernel_overhead_us"] * 1e3) / 1e6, rel=1e-2), key
     refused = last_json(run.stdout)["refused"]

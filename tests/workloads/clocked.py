@@ -36,11 +36,16 @@ def gemm() -> None:
 
 
 def attention() -> None:
-    """A causal bf16 scaled_dot_product_attention (flash backend) at head dim HEAD_DIM (128), its
-    forward timed with events, then its backward; with ATTENTION_RATE, both as another implementation's kernels at that rate
+    """A causal bf16 scaled_dot_product_attention (the BACKEND the context enables: flash by
+    default, or efficient) at head dim HEAD_DIM (128), its forward timed with events, then its
+    backward; with ATTENTION_RATE, both as another implementation's kernels at that rate
     (torch.ops.mirage.attention_rate_begin, as bench/e2e_gpt.py's stand-ins time them), then the
     refusals of a rate that is not positive and of a second rate before the first ends."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     rate, head_dim = float(os.environ.get("ATTENTION_RATE", "1")), int(os.environ.get("HEAD_DIM", "128"))
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}[
+        os.environ.get("BACKEND", "flash")]
     q, k, v = (torch.randn(2, 8, 1024, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     grad = torch.randn(2, 8, 1024, head_dim, device="cuda", dtype=torch.bfloat16)
@@ -48,7 +53,8 @@ def attention() -> None:
     if rate != 1:
         torch.ops.mirage.attention_rate_begin(rate)
     start.record()
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with sdpa_kernel(backend):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     end.record()
     out.backward(grad)
     refused = []
