@@ -91,15 +91,16 @@ def test_fused_attention_runs_at_the_profiles_attention_efficiencies(tmp_path, r
     (the scores recomputed), at attention_backward_efficiency (FlashAttention-2's backward is
     slower than its forward, docs/validation.md); being causal, each at its causal factor
     (attention_causal_factor, attention_backward_causal_factor) of those rates (FlashAttention-2's
-    causal forward computes its blocks slower than a non-causal one, its backward about as fast). Each block of query rows pays a fixed share (attention_block_overhead, the backward's
-    own), in steps of keys swept: a causal block sweeps (r + 1) / 2 of r on average; and at head
-    dim 64 the scores' exponentials and rescaling weigh more against their matmuls
+    causal forward computes its blocks slower than a non-causal one, its backward about as fast).
+    Each block of query rows pays a fixed share (attention_block_overhead, the backward's own), in
+    steps of keys swept: a causal block sweeps (r + 1) / 2 of r on average; and at head dim 64 the
+    scores' exponentials and rescaling weigh more against their matmuls
     (attention_softmax_head_dims) than at 128, where the efficiencies were measured. The forward is
-    timed with events; the backward kernel on the trace (the events around
-    backward() also hold the gradients' copies). Those speeds are flash-attn's FlashAttention-2;
-    SDPA's flash kernels are PyTorch's own build of it, at torch_flash_attention_causal_rate of them
-    here (measured on H100); its memory-efficient kernels, another implementation, are not. Between attention_rate_begin(rate) and attention_rate_end, a
-    benchmark's stand-in for another implementation (bench/e2e_gpt.py's --attn-impl triton), both
+    timed with events; the backward kernel on the trace (the events around backward() also hold
+    the gradients' copies). Those speeds are flash-attn's FlashAttention-2; SDPA's flash kernels
+    are PyTorch's own build of it, at torch_flash_attention_causal_rate of them here (measured on
+    H100); its memory-efficient kernels, another implementation, are not. Between
+    attention_rate_begin(rate) and attention_rate_end, a benchmark's stand-in for another implementation (bench/e2e_gpt.py's --attn-impl triton), both
     compute at `rate` of flash-attn's speeds instead; a second rate before the first ends, and a
     rate that is not positive, are refused."""
     trace = tmp_path / "trace.json"

@@ -390,12 +390,9 @@ double causal_share(int64_t seq_q, int64_t seq_k, ComputeKind kind) {
 // (fused_attention_rate).
 static thread_local double tl_attention_rate = 0.0;
 
-// An SDPA kernel's speed against flash-attn's FlashAttention-2: PyTorch's own build of it (the flash
-// kernels) at the profile's measured rate, causal or not; the memory-efficient kernels at 1 (no
-// measurement of them is used); any of them at the stand-in's rate while one is set.
-double fused_attention_rate(const char* op, bool causal) {
+double fused_attention_rate(bool pytorch_flash, bool causal) {
   if (tl_attention_rate > 0) return tl_attention_rate;
-  if (std::strstr(op, "_flash_attention") == nullptr) return 1.0;
+  if (!pytorch_flash) return 1.0;
   const CostModel& m = cost_model();
   return causal ? m.torch_flash_attention_causal_rate : m.torch_flash_attention_rate;
 }
@@ -443,7 +440,9 @@ void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs
   const double counted = has_flop_formula(handle.schema()) ? flop_count(handle, args, results.data(), results.size()) : 0;
   const double flops = causal ? counted / 2 : counted;  // the model's FLOPs (MFU); the time follows the work done
   const double work = counted * attention_time_factor(seq_q, seq_k, first.size(-1), causal, kind);
-  const KernelCost cost = kernel_cost(work / fused_attention_rate(op, causal), bytes, first.scalar_type(), {}, kind);
+  const bool pytorch_flash = std::strstr(op, "_flash_attention") != nullptr;  // not the memory-efficient kernels
+  const KernelCost cost =
+      kernel_cost(work / fused_attention_rate(pytorch_flash, causal), bytes, first.scalar_type(), {}, kind);
   run_on_stream(dev, tl_stream[dev], cost.ns, cost.kind, handle.schema().name().c_str(), bytes, flops, &cost.beside,
                 first.scalar_type());
 }
@@ -545,9 +544,7 @@ MIRAGE_LIBRARY(m) {
                       std::string(implementation), "\"");
           const auto kind = backward ? mirage::ComputeKind::kAttentionBackward : mirage::ComputeKind::kAttention;
           const double forward = 4.0 * batch * heads * seq * seq * head_dim;
-          const double rate = implementation == "pytorch"
-                                  ? mirage::fused_attention_rate("aten::_scaled_dot_product_flash_attention", causal)
-                                  : 1.0;
+          const double rate = mirage::fused_attention_rate(implementation == "pytorch", causal);
           const double work = (backward ? 2.5 : 1.0) * forward *
                               mirage::attention_time_factor(seq, seq, head_dim, causal, kind) / rate;
           const int64_t tensor = batch * heads * seq * head_dim * static_cast<int64_t>(c10::elementSize(dtype));

@@ -197,17 +197,18 @@ double attention_time_factor(int64_t seq_q, int64_t seq_k, int64_t head_dim, boo
 // (FlexAttention's, by the blocks its BlockMask lists).
 double attention_block_factor(double keys_swept, int64_t head_dim, ComputeKind kind);
 
-// An SDPA attention kernel's speed (`op` its ATen name) against flash-attn's FlashAttention-2:
-// the profile's torch_flash_attention_rate (or its causal one) for PyTorch's own flash kernels, 1
-// for the memory-efficient ones, or a benchmark's stand-in rate while attention_rate_begin holds.
-double fused_attention_rate(const char* op, bool causal);
+// An SDPA attention kernel's speed against flash-attn's FlashAttention-2, whose figures the
+// efficiencies are: the profile's torch_flash_attention_rate (or its causal one) for PyTorch's own
+// flash kernels, 1 for the others (the memory-efficient ones: no measurement of them is used), or
+// a benchmark's stand-in rate while attention_rate_begin holds.
+double fused_attention_rate(bool pytorch_flash, bool causal);
 
 // A fused kernel written over ATen (flash attention): its place on the timeline as one kernel,
 // FLOPs from `op`'s formula over its leading tensor arguments, halved for causal attention (the
 // fused kernels skip the masked half; torch's formula counts it), its time those FLOPs' at the
 // efficiency of `kind` times attention_time_factor over `seq_q` query and `seq_k` key positions at
-// the head dim of its first input, over fused_attention_rate. Call with a KernelScope held around the kernel's ATen work, and
-// only when that scope is the outermost.
+// the head dim of its first input, over fused_attention_rate. Call with a KernelScope held around
+// the kernel's ATen work, and only when that scope is the outermost.
 void clock_fused_kernel(const char* op, std::initializer_list<at::Tensor> inputs,
                         std::initializer_list<at::Tensor> outputs, bool causal, int64_t seq_q, int64_t seq_k,
                         ComputeKind kind);
