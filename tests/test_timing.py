@@ -324,10 +324,11 @@ def test_an_op_that_updates_its_arguments_is_timed_for_what_it_reads_and_writes(
 
 
 def test_kernels_off_pytorchs_vectorized_path_run_at_the_general_efficiency():
-    """A memory-bound kernel whose tensors are all dense and of one size streams at
-    memory_efficiency; a strided view (a chunk), a broadcast operand or a reduction takes PyTorch's
-    general path, at memory_efficiency_general (measured on H100 from eager SwiGLU over chunks,
-    docs/validation.md), and so does a copy from a strided view, where a dense one is a memcpy."""
+    """A memory-bound kernel whose tensors are all dense, of one size and laid out alike streams at
+    memory_efficiency; a strided view (a chunk), a broadcast operand, a reduction or a transposed
+    view beside a contiguous tensor takes PyTorch's general path, at memory_efficiency_general
+    (measured on H100 from eager SwiGLU over chunks, docs/validation.md), and so does a copy from a
+    strided view or one that transposes, where a dense one of one layout is a memcpy."""
     run = mirage("run", "--quiet", "--timing", "--profile", "h100", "--gpus-per-node", "1", "--",
                  sys.executable, str(WORKLOAD), "general")
     assert run.returncode == 0, run.stderr
@@ -346,6 +347,9 @@ def test_kernels_off_pytorchs_vectorized_path_run_at_the_general_efficiency():
     assert timed["sum_ms"] == pytest.approx(ms(floats + 4 * 2**10, "memory_efficiency_general"), rel=1e-3)
     assert timed["copy_ms"] == pytest.approx(ms(2 * floats, "memory_efficiency"), rel=1e-3)
     assert timed["strided_copy_ms"] == pytest.approx(ms(2 * floats, "memory_efficiency_general"), rel=1e-3)
+    assert timed["transposed_alike_ms"] == pytest.approx(ms(3 * floats, "memory_efficiency"), rel=1e-3)
+    assert timed["transposed_beside_contiguous_ms"] == pytest.approx(ms(3 * floats, "memory_efficiency_general"), rel=1e-3)
+    assert timed["transposing_copy_ms"] == pytest.approx(ms(2 * floats, "memory_efficiency_general"), rel=1e-3)
 
 
 def test_flex_attention_is_one_kernel_costed_by_the_blocks_it_visits(tmp_path):

@@ -69,7 +69,8 @@ static void clock_copy(const at::Tensor& self, const at::Tensor& src, bool non_b
   const bool crosses_host = !self.is_cuda() || !src.is_cuda();
   const DeviceIndex dev = on_device.device().index();
   const int64_t bytes = static_cast<int64_t>(self.numel() * self.itemsize());
-  // a device copy between dense tensors of one size is a memcpy or a vectorized kernel (KernelTraffic's rule)
+  // a device copy between dense tensors of one size and layout is a memcpy or a vectorized kernel; one
+  // that transposes takes the general path (KernelTraffic's rule)
   KernelTraffic sides;
   sides.add(self);
   sides.add(src);

@@ -94,24 +94,43 @@ struct KernelCost {
 // where its forward reaches 309-370, docs/validation.md).
 enum class ComputeKind { kGemm, kAttention, kAttentionBackward };
 // What a kernel reads and writes, and whether PyTorch's vectorized fast path could take it: an
-// elementwise kernel over tensors that are all dense (contiguous, or permuted without gaps) and of
-// one size loads whole vectors; a broadcast, a strided view (a chunk, a slice), a reduction or a
-// gather goes through the general path, at a lower bandwidth (profile memory_efficiency_general:
-// eager SwiGLU over torch.chunk halves, on H100). Tensors of a list argument (foreach and fused
-// optimizers, cat) may differ in size: multi_tensor_apply vectorizes each.
+// elementwise kernel over tensors that are all dense (contiguous, or permuted without gaps), of
+// one size and laid out alike loads whole vectors (TensorIterator coalesces them to one dimension:
+// TensorIteratorBase::is_contiguous, which gpu_kernel_impl asks); a broadcast, a strided view (a
+// chunk, a slice), two dense tensors in different orders (a transposed view beside a contiguous
+// one, a copy that transposes), a reduction or a gather goes through the general path, at a lower
+// bandwidth (profile memory_efficiency_general: eager SwiGLU over torch.chunk halves, on H100).
+// Tensors of a list argument (foreach and fused optimizers, cat) may differ in size:
+// multi_tensor_apply vectorizes each.
 struct KernelTraffic {
   int64_t bytes = 0;
   int64_t numel = -1;    // the size every tensor outside lists has so far (-1: none yet)
-  bool general = false;  // some tensor is not dense, or not of that size
+  bool general = false;  // some tensor is not dense, not of that size, or laid out otherwise
   void add(const at::Tensor& t, bool in_list = false) {
     bytes += static_cast<int64_t>(t.numel() * t.itemsize());
     if (general) return;
     if (!t.is_non_overlapping_and_dense()) {
       general = true;
     } else if (!in_list) {
-      if (numel < 0) numel = t.numel();
-      general = t.numel() != numel;
+      if (numel < 0) {
+        numel = t.numel();
+        sizes.assign(t.sizes().begin(), t.sizes().end());
+        strides.assign(t.strides().begin(), t.strides().end());
+      }
+      general = t.numel() != numel || !laid_out_alike(t);
     }
+  }
+
+ private:
+  std::vector<int64_t> sizes, strides;  // the first tensor's, which the others' layouts are held to
+  // Whether `t` walks memory in the first tensor's order: its strides equal where the sizes are
+  // one shape (a dimension of size 1 has any stride). Tensors of one size in different shapes
+  // (a flat buffer beside its view) are taken as alike, as before.
+  bool laid_out_alike(const at::Tensor& t) const {
+    if (!t.sizes().equals(sizes)) return true;
+    for (size_t d = 0; d < sizes.size(); ++d)
+      if (sizes[d] != 1 && t.strides()[d] != strides[d]) return false;
+    return true;
   }
 };
 

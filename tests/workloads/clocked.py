@@ -121,11 +121,17 @@ def inplace() -> None:
 
 def general() -> None:
     """Elementwise kernels over the same bytes, on PyTorch's vectorized path (dense tensors of one
-    size) and off it (a strided view, a broadcast operand, a row reduction, a strided copy)."""
+    size and layout, a transposed view beside another) and off it (a strided view, a broadcast
+    operand, a row reduction, a strided copy, a transposed view beside a contiguous tensor, a copy
+    that transposes)."""
     wide = torch.zeros(2**10, 2**13, device="cuda")
     half, other = wide[:, : 2**12], torch.zeros(2**10, 2**12, device="cuda")
     row = torch.zeros(2**10, 1, device="cuda")
+    square, square_too = torch.zeros(2**11, 2**11, device="cuda"), torch.zeros(2**11, 2**11, device="cuda")
     print(json.dumps({
+        "transposed_alike_ms": timed(lambda: torch.mul(square.t(), square_too.t())),
+        "transposed_beside_contiguous_ms": timed(lambda: torch.mul(square.t(), square_too)),
+        "transposing_copy_ms": timed(lambda: square_too.copy_(square.t())),
         "dense_ms": timed(lambda: torch.mul(other, other)),
         "strided_ms": timed(lambda: torch.mul(half, other)),
         "broadcast_ms": timed(lambda: torch.mul(other, row)),
