@@ -16,16 +16,16 @@ on fp32 main parameters, and the fused causal softmax kernel.
 What runs is megatron-core's GPTModel with its local layer spec (no Transformer Engine), its
 Float16Module, its DistributedDataParallel (fp16 gradients reduced in buckets overlapped with the
 last micro-batch's backward, as torch's DDP did) and its fp16 optimizer, driven by its
-no-pipelining schedule, data parallel over what tensor parallelism leaves. Where this differs
-from 2021's Megatron-LM (each difference does more work than 2021's, or, the biases, leaves out
-work 2021's did at next to no cost):
+no-pipelining schedule, data parallel over what tensor parallelism leaves. The linear layers
+have biases, placed as 2021's were: the QKV projection's added after its GEMM, the others fused
+into bias + GeLU and into bias + dropout + residual add. Where this differs from 2021's
+Megatron-LM (each difference does more work than 2021's):
 - the fused softmax is Megatron's CUDA extension, which cannot be built without nvcc; under
   mirage bench/megatron_extensions/ provides it, each call timed as the one kernel it is;
-- the linear layers have no biases (`add_bias_linear=False`): 2021 added them where they cost
-  next to nothing, in the GEMM's epilogue (F.linear) or fused with GELU or with dropout and the
-  residual add (TorchScript), where megatron-core adds each in a kernel of its own (its fusions
-  are torch.compile's, whose host kernels would make a predict-only step of these sizes take
-  hours here); dropout and the residual add stay two kernels where 2021 ran one;
+- the bias fusions were TorchScript's in 2021 and are torch.compile's in megatron-core, whose
+  host kernels would make a predict-only step of these sizes take hours here: under mirage
+  bench/megatron_extensions/jit_fusions.py runs each as its Python original timed as the one
+  kernel a fuser makes of it;
 - Adam is torch's fused AdamW (apex's FusedAdam, its 2021 equivalent, is not installed), and
   megatron-core's multi-tensor copies, scaling and norms without apex are per-tensor kernels.
 
@@ -66,7 +66,8 @@ def main() -> None:
                     help="the run's data-parallel size, which sets the accumulation (Table 1's rows: 32)")
     ap.add_argument("--steps", type=int, default=2)
     args = ap.parse_args()
-    if os.environ.get("MIRAGE_SESSION"):  # the fused softmax extension, after any installed one
+    under_mirage = bool(os.environ.get("MIRAGE_SESSION"))
+    if under_mirage:  # the fused softmax extension (after any installed one) and the bias fusions
         sys.path.append(str(Path(__file__).with_name("megatron_extensions")))
 
     import torch
@@ -88,6 +89,9 @@ def main() -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
+    if under_mirage:
+        import jit_fusions  # bench/megatron_extensions/jit_fusions.py
+        jit_fusions.install()
 
     tp, micro_batch, global_batch, layers, hidden, heads = SIZES[args.size]
     accumulate = global_batch // (micro_batch * args.data_parallel)
@@ -103,7 +107,7 @@ def main() -> None:
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads, ffn_hidden_size=4 * hidden,
         tensor_model_parallel_size=tp, hidden_dropout=0.1, attention_dropout=0.1, init_method_std=0.02,
         fp16=True, params_dtype=torch.half, pipeline_dtype=torch.half, attention_softmax_in_fp32=False,
-        masked_softmax_fusion=True, add_bias_linear=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=True, add_bias_linear=True, bias_activation_fusion=True, bias_dropout_fusion=True,
         gradient_accumulation_fusion=False, recompute_granularity="full", recompute_method="uniform",
         recompute_num_layers=1)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
