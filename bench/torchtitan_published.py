@@ -9,7 +9,7 @@ docs/performance.md (mid-2024) gives Llama 3 8B on 64 A100 80GB (8 nodes, eager 
 here is one row of its tables, run as torchtitan runs it (`torchrun -m torchtitan.train`, the
 model's flavor and the row's parallelism, batch, sequence length and activation checkpointing,
 as torchtitan's own command-line flags; torchtitan's defaults for the rest; the RMSNorm the run's
-config named, bench/torchtitan2024_norm.py) under
+config named, and its grouped-query attention of 2024, bench/torchtitan2024.py) under
 `mirage run --timing --predict-only --virtual-clock --lazy-device-memory`, with only the data
 and tokenizer pointed at local files (tests/torchtitan_setup.py makes them).
 
@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO / "tests"))
 import torchtitan_setup  # noqa: E402 - tests/torchtitan_setup.py: torchtitan, triton, tokenizer, dataset
 
 
-NORM_2024 = str(Path(__file__).resolve().parent / "torchtitan2024_norm.py")  # bench/torchtitan2024_norm.py
+TORCHTITAN_2024 = str(Path(__file__).resolve().parent / "torchtitan2024.py")  # bench/torchtitan2024.py
 
 
 @dataclass(frozen=True)
@@ -72,8 +72,8 @@ class Case:
     stand_ins_in_node: int = 1  # --stand-ins-in-node: 1 of every this many ranks of a running node runs
     like_for_like: bool = True  # False: the published run used what this one does not (named in `row`)
     compiled: bool = False  # torch.compile of each TransformerBlock, as torchtitan of 2024-12 compiled (not the loss)
-    entry: tuple[str, ...] = ("-m", "torchtitan.train")  # how the trainer starts (after its norm is set)
-    # the published run's model.norm_type (bench/torchtitan2024_norm.py): torchtitan's eager RMSNorm
+    entry: tuple[str, ...] = ("-m", "torchtitan.train")  # how the trainer starts (after its norm and attention are set)
+    # the published run's model.norm_type (bench/torchtitan2024.py): torchtitan's eager RMSNorm
     # module, or its fused Triton kernel, which torch 2.13's fused F.rms_norm stands for
     norm: str = "rmsnorm"
 
@@ -156,7 +156,7 @@ def torchrun(case: Case, assets: Path, dump: Path, steps: int, traces: Path | No
     profiling = [] if traces is None else [
         "--profiling.enable_profiling", "--profiling.save_traces_folder", str(traces),
         "--profiling.profile_freq", str(steps), "--profiling.profiler_warmup", "1"]
-    titan = [NORM_2024, "--norm", case.norm, *case.entry, "--model.name", "llama3", "--model.flavor", case.flavor,
+    titan = [TORCHTITAN_2024, "--norm", case.norm, *case.entry, "--model.name", "llama3", "--model.flavor", case.flavor,
              *torchtitan_setup.data_flags(assets), "--training.local_batch_size", str(case.local_batch),
              "--training.seq_len", str(case.seq_len), "--training.steps", str(steps),
              "--parallelism.data_parallel_shard_degree", "-1", *case.parallelism, *case.activation_checkpoint,

@@ -132,3 +132,33 @@ def test_llama3_8b_on_eight_gpus_is_predicted_and_torchtitan_prints_the_predicti
     step_s = json.loads(summary.read_text())["timing"]["job"]["step_ms"] / 1e3
     assert all(abs(value - 2 * 8192 / step_s) <= 0.01 * value for value in tps), (tps, step_s)
     assert all(16 * parameters / 8 / 2**30 < gib < 96 for gib in memory), (memory, parameters)
+
+
+def test_torchtitan_of_2024_repeats_grouped_query_heads_before_attention(monkeypatch):
+    """bench/torchtitan2024.py, which runs the published rows as torchtitan of 2024 ran them, gives
+    SDPA keys and values repeated to the query heads (torchtitan's repeat_kv of then: a copy on the
+    (batch, seq, heads, dim) layout) where grouped-query attention is asked for, with the results
+    and gradients grouped-query attention gives; equal heads pass through untouched."""
+    import sys
+    import torch
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import torchtitan2024
+
+    seen, sdpa = [], torchtitan2024.SDPA
+
+    def recorded_sdpa(query, key, value, *args, **kwargs):
+        seen.append((key.shape, key.untyped_storage().data_ptr()))
+        return sdpa(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(torchtitan2024, "SDPA", recorded_sdpa)
+    torch.manual_seed(0)
+    layouts = [torch.randn(1, 16, heads, 4, dtype=torch.double, requires_grad=True) for heads in (8, 2, 2)]
+    q, k, v = (t.transpose(1, 2) for t in layouts)  # (batch, heads, seq, dim) views, as torchtitan passes them
+    out = torchtitan2024.sdpa_with_kv_repeated(q, k, v, is_causal=True, enable_gqa=True)
+    assert seen[0][0] == (1, 8, 16, 4) and seen[0][1] != k.untyped_storage().data_ptr()
+    grads = torch.autograd.grad(out.sum(), layouts)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.allclose(out, expected)
+    assert all(torch.allclose(a, b) for a, b in zip(grads, torch.autograd.grad(expected.sum(), layouts)))
+    torchtitan2024.sdpa_with_kv_repeated(q, q, q, is_causal=True, enable_gqa=False)
+    assert seen[1][0] == (1, 8, 16, 4) and seen[1][1] == q.untyped_storage().data_ptr()
