@@ -72,9 +72,12 @@ if __name__ == "__main__":
     norm, trainer = sys.argv[2], sys.argv[3:]
     if sys.argv[1] != "--norm" or norm not in ("rmsnorm", "fused_rmsnorm"):
         sys.exit("usage: torchtitan2024.py --norm {rmsnorm,fused_rmsnorm} (-m MODULE | SCRIPT) ARGS")
+    # The functions set come from this file imported under its own name: the trainer becomes
+    # __main__, and torch.compile reads a function's globals through its module's name.
+    import torchtitan2024
     if norm == "rmsnorm":
-        F.rms_norm = torchtitan_rmsnorm_of_2024
-    F.scaled_dot_product_attention = sdpa_with_kv_repeated
+        F.rms_norm = torchtitan2024.torchtitan_rmsnorm_of_2024
+    F.scaled_dot_product_attention = torchtitan2024.sdpa_with_kv_repeated
     if trainer[0] == "-m":
         sys.argv = [trainer[1], *trainer[2:]]
         runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)

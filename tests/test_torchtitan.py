@@ -162,3 +162,23 @@ def test_torchtitan_of_2024_repeats_grouped_query_heads_before_attention(monkeyp
     assert all(torch.allclose(a, b) for a, b in zip(grads, torch.autograd.grad(expected.sum(), layouts)))
     torchtitan2024.sdpa_with_kv_repeated(q, q, q, is_causal=True, enable_gqa=False)
     assert seen[1][0] == (1, 8, 16, 4) and seen[1][1] == q.untyped_storage().data_ptr()
+
+
+def test_torchtitan_of_2024_sets_functions_a_compiled_trainer_can_trace(tmp_path):
+    """bench/torchtitan2024.py runs the trainer as __main__; the functions it sets (2024's norm and
+    attention) must still be traceable by torch.compile, which reads their globals through their
+    module's name (E14 and E17 compile torchtitan's blocks)."""
+    import subprocess
+    import sys
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(
+        "import torch, torch.nn.functional as F\n"
+        "q, k, v = torch.randn(1, 8, 16, 4), torch.randn(1, 2, 16, 4), torch.randn(1, 2, 16, 4)\n"
+        "attend = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))\n"
+        "norm = torch.compile(lambda x: F.rms_norm(x, [4], torch.ones(4)))\n"
+        "expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)\n"
+        "print(torch.allclose(attend(q, k, v), expected, atol=1e-5), torch.allclose(norm(q), F.rms_norm(q, [4], torch.ones(4))))\n")
+    script = Path(__file__).resolve().parent.parent / "bench" / "torchtitan2024.py"
+    result = subprocess.run([sys.executable, str(script), "--norm", "rmsnorm", str(trainer)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.split() == ["True", "True"], result.stdout + result.stderr[-3000:]
