@@ -26,6 +26,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <c10/core/ScalarType.h>
+#include <c10/util/SmallVector.h>
 
 #include <cstdint>
 #include <initializer_list>
@@ -122,10 +123,10 @@ struct KernelTraffic {
   }
 
  private:
-  std::vector<int64_t> sizes, strides;  // the first tensor's, which the others' layouts are held to
+  c10::SmallVector<int64_t, 6> sizes, strides;  // the first tensor's, which the others' are held to
   // Whether `t` walks memory in the first tensor's order: its strides equal where the sizes are
   // one shape (a dimension of size 1 has any stride). Tensors of one size in different shapes
-  // (a flat buffer beside its view) are taken as alike, as before.
+  // (a flat buffer beside its view) have no dimensions to compare and are taken as alike.
   bool laid_out_alike(const at::Tensor& t) const {
     if (!t.sizes().equals(sizes)) return true;
     for (size_t d = 0; d < sizes.size(); ++d)
