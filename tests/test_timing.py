@@ -100,9 +100,10 @@ def test_fused_attention_runs_at_the_profiles_attention_efficiencies(tmp_path, r
     the gradients' copies). Those speeds are flash-attn's FlashAttention-2; SDPA's flash kernels
     are PyTorch's own build of it, at torch_flash_attention_causal_rate of them here (measured on
     H100); its memory-efficient kernels, another implementation, are not. Between
-    attention_rate_begin(rate) and attention_rate_end, a benchmark's stand-in for another implementation (bench/e2e_gpt.py's --attn-impl triton), both
-    compute at `rate` of flash-attn's speeds instead; a second rate before the first ends, and a
-    rate that is not positive, are refused."""
+    attention_rate_begin(rate) and attention_rate_end, a benchmark's stand-in for another
+    implementation (bench/e2e_gpt.py's --attn-impl triton), both compute at `rate` of flash-attn's
+    speeds instead; a second rate before the first ends, and a rate that is not positive, are
+    refused."""
     trace = tmp_path / "trace.json"
     run = mirage("run", "--quiet", "--timing", "--trace", str(trace), "--profile", "h100", "--gpus-per-node", "1",
                  "--", sys.executable, str(WORKLOAD), "attention",
@@ -348,7 +349,8 @@ def test_kernels_off_pytorchs_vectorized_path_run_at_the_general_efficiency():
     assert timed["copy_ms"] == pytest.approx(ms(2 * floats, "memory_efficiency"), rel=1e-3)
     assert timed["strided_copy_ms"] == pytest.approx(ms(2 * floats, "memory_efficiency_general"), rel=1e-3)
     assert timed["transposed_alike_ms"] == pytest.approx(ms(3 * floats, "memory_efficiency"), rel=1e-3)
-    assert timed["transposed_beside_contiguous_ms"] == pytest.approx(ms(3 * floats, "memory_efficiency_general"), rel=1e-3)
+    assert timed["transposed_beside_contiguous_ms"] == pytest.approx(ms(3 * floats, "memory_efficiency_general"),
+                                                                     rel=1e-3)
     assert timed["transposing_copy_ms"] == pytest.approx(ms(2 * floats, "memory_efficiency_general"), rel=1e-3)
 
 

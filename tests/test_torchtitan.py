@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ import torchtitan_setup
 from conftest import mirage
 
 STEPS = 8
+BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
 @pytest.fixture(scope="module")
@@ -139,9 +142,8 @@ def test_torchtitan_of_2024_repeats_grouped_query_heads_before_attention(monkeyp
     SDPA keys and values repeated to the query heads (torchtitan's repeat_kv of then: a copy on the
     (batch, seq, heads, dim) layout) where grouped-query attention is asked for, with the results
     and gradients grouped-query attention gives; equal heads pass through untouched."""
-    import sys
     import torch
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    monkeypatch.syspath_prepend(str(BENCH))
     import torchtitan2024
 
     seen, sdpa = [], torchtitan2024.SDPA
@@ -168,17 +170,16 @@ def test_torchtitan_of_2024_sets_functions_a_compiled_trainer_can_trace(tmp_path
     """bench/torchtitan2024.py runs the trainer as __main__; the functions it sets (2024's norm and
     attention) must still be traceable by torch.compile, which reads their globals through their
     module's name (E14 and E17 compile torchtitan's blocks)."""
-    import subprocess
-    import sys
     trainer = tmp_path / "trainer.py"
     trainer.write_text(
         "import torch, torch.nn.functional as F\n"
         "q, k, v = torch.randn(1, 8, 16, 4), torch.randn(1, 2, 16, 4), torch.randn(1, 2, 16, 4)\n"
-        "attend = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))\n"
-        "norm = torch.compile(lambda x: F.rms_norm(x, [4], torch.ones(4)))\n"
-        "expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)\n"
-        "print(torch.allclose(attend(q, k, v), expected, atol=1e-5), torch.allclose(norm(q), F.rms_norm(q, [4], torch.ones(4))))\n")
-    script = Path(__file__).resolve().parent.parent / "bench" / "torchtitan2024.py"
-    result = subprocess.run([sys.executable, str(script), "--norm", "rmsnorm", str(trainer)],
+        "def attend(q, k, v):\n"
+        "    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)\n"
+        "def norm(x):\n"
+        "    return F.rms_norm(x, [4], torch.ones(4))\n"
+        "print(torch.allclose(torch.compile(attend)(q, k, v), attend(q, k, v), atol=1e-5),\n"
+        "      torch.allclose(torch.compile(norm)(q), norm(q)))\n")
+    result = subprocess.run([sys.executable, str(BENCH / "torchtitan2024.py"), "--norm", "rmsnorm", str(trainer)],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and result.stdout.split() == ["True", "True"], result.stdout + result.stderr[-3000:]
